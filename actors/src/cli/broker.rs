@@ -1,0 +1,167 @@
+//! `populora bench broker`: the multi-adapter engine's decode and train speed
+//! on the real model, measured side by side in one run.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use clap::Parser;
+use populora::base::{BaseModel, Message};
+use populora::compute::{self, AdapterSet, GenRequest, Sampling, TrainConfig, TrainRow};
+use populora::keyed_stream;
+use populora::lora::{Adapter, LoraConfig};
+use rand::Rng;
+
+use super::generate::load_model;
+
+#[derive(Parser)]
+pub struct BenchArgs {
+    #[arg(long)]
+    pub json: bool,
+    /// New tokens per row in the decode runs.
+    #[arg(long, default_value_t = 32)]
+    pub tokens: usize,
+    /// Sequence length of the train run.
+    #[arg(long, default_value_t = 256)]
+    pub train_len: usize,
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+const ADAPTERS: usize = 8;
+const ROWS_PER_ADAPTER: usize = 4;
+
+/// Rank-8 adapters on every projection, with non-zero B so they change the output.
+fn adapters(base: &BaseModel) -> anyhow::Result<Vec<Adapter>> {
+    (0..ADAPTERS as u64)
+        .map(|i| {
+            let mut rng = keyed_stream!(i, "bench-adapter");
+            let adapter = Adapter::new(LoraConfig::default(), base.config(), &mut rng, &Device::Cpu)?;
+            for m in adapter.modules.values() {
+                let n = m.b.elem_count();
+                let values: Vec<f32> = (0..n).map(|_| rng.random_range(-1e-3f32..1e-3)).collect();
+                m.b.set(&Tensor::from_vec(values, m.b.dims(), &Device::Cpu)?)?;
+            }
+            Ok(adapter)
+        })
+        .collect()
+}
+
+fn prompts(base: &BaseModel, n: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    (0..n)
+        .map(|i| {
+            let text = format!("Write a Python function number {i} that counts the vowels in a string.");
+            Ok(base.tokenizer.encode_chat(&[Message::new("user", text)])?)
+        })
+        .collect()
+}
+
+/// Decode tokens/s for `rows` = (adapter, prompt) in one batch.
+fn decode(base: &BaseModel, set: &AdapterSet, rows: &[(u64, Vec<u32>)], tokens: usize) -> anyhow::Result<(usize, f64)> {
+    let requests = rows
+        .iter()
+        .map(|(a, p)| GenRequest {
+            adapter: Some(*a),
+            prompt: p.clone(),
+            max_new_tokens: tokens,
+            stop: vec![],
+            sampling: Sampling::GREEDY,
+            rng: keyed_stream!(0, "bench"),
+        })
+        .collect();
+    let start = Instant::now();
+    let out = compute::generate(&base.model, set, requests)?;
+    Ok((out.iter().map(|g| g.tokens.len()).sum(), start.elapsed().as_secs_f64()))
+}
+
+/// f32 GEMM rate of this machine through candle, GFLOP/s (best of 5).
+pub fn matmul_gflops() -> anyhow::Result<f64> {
+    let (m, k, n) = (2048, 576, 1536);
+    let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        let c = a.matmul(&b)?;
+        c.sum_all()?.to_scalar::<f32>()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (m * k * n) as f64 / best / 1e9)
+}
+
+/// FLOPs of one train step: forward + input-gradient backward through the
+/// frozen linears (2 + 2 per multiply-add), attention, and the LM head at
+/// scored positions. LoRA's own FLOPs are small and not counted.
+fn train_flops(base: &BaseModel, rows: usize, len: usize, scored: usize) -> f64 {
+    let cfg = base.config();
+    let head = cfg.hidden_size * cfg.vocab_size;
+    let linears = cfg.linear_params() - head;
+    let attention = 2 * cfg.num_layers * cfg.q_dim() * len; // q·kᵀ and p·v per token
+    let per_token = 4.0 * (linears + attention) as f64;
+    rows as f64 * (len as f64 * per_token + scored as f64 * 4.0 * head as f64)
+}
+
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let base = load_model(args.model.as_deref())?;
+    let adapters = adapters(&base)?;
+    let mut set = AdapterSet::new();
+    for (i, a) in adapters.iter().enumerate() {
+        set = set.with(i as u64, a);
+    }
+    let prompts = prompts(&base, ADAPTERS * ROWS_PER_ADAPTER)?;
+    let multi_rows: Vec<(u64, Vec<u32>)> =
+        prompts.iter().enumerate().map(|(i, p)| ((i / ROWS_PER_ADAPTER) as u64, p.clone())).collect();
+    let single_rows: Vec<(u64, Vec<u32>)> = prompts.iter().map(|p| (0, p.clone())).collect();
+    decode(&base, &set, &multi_rows[..2], 2)?; // warm-up
+
+    let (n, t) = decode(&base, &set, &multi_rows, args.tokens)?;
+    let multi = n as f64 / t;
+    let (n, t) = decode(&base, &set, &single_rows, args.tokens)?;
+    let single = n as f64 / t;
+    let (mut n_seq, mut t_seq) = (0, 0.0);
+    for chunk in multi_rows.chunks(ROWS_PER_ADAPTER) {
+        let (n, t) = decode(&base, &set, chunk, args.tokens)?;
+        n_seq += n;
+        t_seq += t;
+    }
+    let sequential = n_seq as f64 / t_seq;
+
+    let len = args.train_len;
+    let scored = len - len / 4;
+    let mut rng = keyed_stream!(0, "bench-train");
+    let rows: Vec<TrainRow> = (0..ADAPTERS * ROWS_PER_ADAPTER)
+        .map(|i| TrainRow {
+            adapter: (i / ROWS_PER_ADAPTER) as u64,
+            tokens: (0..len).map(|_| rng.random_range(0..base.config().vocab_size as u32)).collect(),
+            loss_mask: (0..len).map(|t| t >= len - scored).collect(),
+            advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
+            old_logprobs: vec![-10.0; len],
+        })
+        .collect();
+    let start = Instant::now();
+    let out = compute::train_step(&base.model, &set, &rows, TrainConfig::default())?;
+    let train_s = start.elapsed().as_secs_f64();
+    let train_tok_s = (rows.len() * len) as f64 / train_s;
+    let train_gflops = train_flops(&base, rows.len(), len, scored) / train_s / 1e9;
+    let matmul = matmul_gflops()?;
+
+    let value = serde_json::json!({
+        "multi_tok_s": multi,
+        "single_tok_s": single,
+        "sequential_tok_s": sequential,
+        "multi_over_single": multi / single,
+        "multi_over_sequential": multi / sequential,
+        "train_tok_s": train_tok_s,
+        "train_gflops": train_gflops,
+        "matmul_gflops": matmul,
+        "train_over_matmul": train_gflops / matmul,
+        "train_micro_batches": out.micro_batches,
+        "train_token_budget": TrainConfig::default().token_budget,
+        "adapters": ADAPTERS,
+        "rows": ADAPTERS * ROWS_PER_ADAPTER,
+        "new_tokens_per_row": args.tokens,
+        "threads": candle_core::utils::get_num_threads(),
+    });
+    super::bench::report(args.json, &value);
+    Ok(())
+}

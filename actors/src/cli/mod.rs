@@ -1,0 +1,11 @@
+//! One module per subcommand. Errors become `anyhow` here and nowhere deeper.
+
+pub mod bench;
+pub mod broker;
+pub mod evolve;
+pub mod exec;
+pub mod export;
+pub mod fetch;
+pub mod generate;
+pub mod import_peft;
+pub mod info;

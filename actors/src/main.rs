@@ -1,0 +1,52 @@
+//! `populora`: the command-line edge. Every subcommand lives in its own file
+//! under `cli/`; this file only parses and dispatches.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "populora", version, about = "Population-based self-play RL of LLMs with LoRA adapters")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch the default model (or a data set) into the cache.
+    Fetch(cli::fetch::Args),
+    /// Print the model's configuration and the cache location.
+    Info(cli::info::Args),
+    /// Continue a prompt with the base model (optionally with an adapter).
+    Generate(cli::generate::Args),
+    /// Apply one evolution operator (mutation or crossover) to saved adapters.
+    Evolve(cli::evolve::Args),
+    /// Validate one Python program exactly as a proposal is validated, in the sandbox.
+    Exec(cli::exec::Args),
+    /// Measure throughput (prints JSON with --json).
+    #[command(subcommand)]
+    Bench(cli::bench::Bench),
+    /// Write an adapter as a Hugging Face PEFT LoRA directory.
+    Export(cli::export::Args),
+    /// Read a Hugging Face PEFT LoRA directory into an adapter.
+    ImportPeft(cli::import_peft::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Fetch(args) => cli::fetch::run(args),
+        Command::Info(args) => cli::info::run(args),
+        Command::Generate(args) => cli::generate::run(args),
+        Command::Evolve(args) => cli::evolve::run(args),
+        Command::Exec(args) => cli::exec::run(args),
+        Command::Bench(bench) => cli::bench::run(bench),
+        Command::Export(args) => cli::export::run(args),
+        Command::ImportPeft(args) => cli::import_peft::run(args),
+    };
+    if let Err(err) = result {
+        eprintln!("error: {err:#}");
+        std::process::exit(1);
+    }
+}

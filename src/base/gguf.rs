@@ -1,0 +1,339 @@
+//! Reading (and, for tests, writing) Llama-architecture GGUF files.
+//!
+//! Weights are dequantized to f32. llama.cpp's converter permutes the rows of
+//! q/k for interleaved RoPE; we undo that here so everything downstream is in
+//! HF layout (and an adapter trained here exports to PEFT without any permutation).
+
+use std::fs::File;
+use std::io::{BufReader, Read, Seek};
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use super::config::{Arch, ModelConfig};
+use super::error::{Error, Result};
+use super::model::{Block, Linear, Llama};
+use super::tokenizer::{ChatTemplate, Tokenizer};
+
+/// GGUF `token_type` of control tokens (`<|im_start|>` etc.).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+
+struct Reader<'a> {
+    path: &'a Path,
+    content: Content,
+    file: BufReader<File>,
+}
+
+impl Reader<'_> {
+    fn meta(&self, field: &str) -> Result<&Value> {
+        self.content
+            .metadata
+            .get(field)
+            .ok_or_else(|| Error::MissingField {
+                path: self.path.to_path_buf(),
+                field: field.to_string(),
+            })
+    }
+
+    fn meta_usize(&self, field: &str) -> Result<usize> {
+        let v = self.meta(field)?;
+        let n = v
+            .to_u64()
+            .or_else(|_| v.to_u32().map(u64::from))
+            .or_else(|_| v.to_i32().map(|x| x as u64))
+            .map_err(|e| Error::bad_file(self.path, format!("{field}: {e}")))?;
+        Ok(n as usize)
+    }
+
+    fn meta_f64(&self, field: &str) -> Result<f64> {
+        let v = self.meta(field)?;
+        v.to_f32()
+            .map(f64::from)
+            .or_else(|_| v.to_f64())
+            .map_err(|e| Error::bad_file(self.path, format!("{field}: {e}")))
+    }
+
+    fn meta_strings(&self, field: &str) -> Result<Vec<String>> {
+        let list = self
+            .meta(field)?
+            .to_vec()
+            .map_err(|e| Error::bad_file(self.path, format!("{field}: {e}")))?;
+        list.iter()
+            .map(|v| v.to_string().cloned())
+            .collect::<candle_core::Result<Vec<_>>>()
+            .map_err(|e| Error::bad_file(self.path, format!("{field}: {e}")))
+    }
+
+    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let bad = |reason: String| Error::BadTensor {
+            path: self.path.to_path_buf(),
+            name: name.to_string(),
+            reason,
+        };
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(bad("missing".into()));
+        }
+        let q = self
+            .content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|e| bad(e.to_string()))?;
+        if q.shape().dims() != shape {
+            return Err(bad(format!("shape {:?}, expected {shape:?}", q.shape().dims())));
+        }
+        q.dequantize(&Device::Cpu).map_err(|e| bad(e.to_string()))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+}
+
+fn open(path: &Path) -> Result<Reader<'_>> {
+    let file = File::open(path).map_err(Error::io(path))?;
+    let mut file = BufReader::new(file);
+    let content = Content::read(&mut file).map_err(|e| Error::bad_file(path, e))?;
+    Ok(Reader {
+        path,
+        content,
+        file,
+    })
+}
+
+/// Read only the model configuration of a GGUF file (fast: no tensors).
+pub fn read_config(path: &Path) -> Result<ModelConfig> {
+    config_of(&open(path)?)
+}
+
+fn config_of(r: &Reader) -> Result<ModelConfig> {
+    let arch = r
+        .meta("general.architecture")?
+        .to_string()
+        .map_err(|e| Error::bad_file(r.path, e))?
+        .clone();
+    if arch != "llama" {
+        return Err(Error::UnsupportedArch {
+            path: r.path.to_path_buf(),
+            arch,
+            supported: "llama (GGUF); llama and qwen2 (HF directories)",
+        });
+    }
+    let hidden = r.meta_usize("llama.embedding_length")?;
+    let heads = r.meta_usize("llama.attention.head_count")?;
+    let kv_heads = match r.meta_usize("llama.attention.head_count_kv") {
+        Ok(n) => n,
+        Err(Error::MissingField { .. }) => heads,
+        Err(e) => return Err(e),
+    };
+    if heads == 0 || kv_heads == 0 || hidden % heads != 0 || heads % kv_heads != 0 {
+        return Err(Error::bad_file(
+            r.path,
+            format!("inconsistent heads: hidden {hidden}, heads {heads}, kv heads {kv_heads}"),
+        ));
+    }
+    let vocab_size = match r.meta_usize("llama.vocab_size") {
+        Ok(n) => n,
+        Err(_) => r.meta_strings("tokenizer.ggml.tokens")?.len(),
+    };
+    let name = r
+        .meta("general.name")
+        .ok()
+        .and_then(|v| v.to_string().ok().cloned())
+        .unwrap_or_else(|| "unnamed".into());
+    Ok(ModelConfig {
+        arch: Arch::Llama,
+        name,
+        vocab_size,
+        hidden_size: hidden,
+        intermediate_size: r.meta_usize("llama.feed_forward_length")?,
+        num_layers: r.meta_usize("llama.block_count")?,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hidden / heads,
+        rope_theta: r.meta_f64("llama.rope.freq_base").unwrap_or(10_000.0),
+        rms_norm_eps: r.meta_f64("llama.attention.layer_norm_rms_epsilon")?,
+        max_position_embeddings: r.meta_usize("llama.context_length")?,
+        tie_word_embeddings: !r.has("output.weight"),
+    })
+}
+
+fn tokenizer_of(r: &Reader) -> Result<Tokenizer> {
+    let model = r.meta("tokenizer.ggml.model")?.to_string().ok().cloned();
+    if model.as_deref() != Some("gpt2") {
+        return Err(Error::bad_file(
+            r.path,
+            format!("tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") is supported"),
+        ));
+    }
+    let tokens = r.meta_strings("tokenizer.ggml.tokens")?;
+    let merges = r.meta_strings("tokenizer.ggml.merges")?;
+    let types = r
+        .meta("tokenizer.ggml.token_type")
+        .ok()
+        .and_then(|v| v.to_vec().ok())
+        .map(|v| v.iter().map(|t| t.to_i32().unwrap_or(1)).collect::<Vec<_>>())
+        .unwrap_or_default();
+    let special: Vec<u32> = types
+        .iter()
+        .enumerate()
+        .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL)
+        .map(|(i, _)| i as u32)
+        .collect();
+    let template = r
+        .meta("tokenizer.chat_template")
+        .ok()
+        .and_then(|v| v.to_string().ok().cloned())
+        .unwrap_or_default();
+    Tokenizer::from_bpe(&tokens, &merges, &special, ChatTemplate::from_jinja(&template))
+}
+
+/// llama.cpp's q/k permutation, `[heads·d, in]`: rows `(h, 2, d/2)` → `(h, d/2, 2)`.
+pub fn permute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (out, cols) = w.dims2()?;
+    let half = out / heads / 2;
+    Ok(w.reshape((heads, 2, half, cols))?
+        .transpose(1, 2)?
+        .reshape((out, cols))?)
+}
+
+/// The inverse of [`permute_rows`].
+pub fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (out, cols) = w.dims2()?;
+    let half = out / heads / 2;
+    Ok(w.reshape((heads, half, 2, cols))?
+        .transpose(1, 2)?
+        .reshape((out, cols))?)
+}
+
+/// Load a Llama GGUF file: weights dequantized to f32, tokenizer from metadata.
+pub fn load(path: &Path) -> Result<(Llama, Tokenizer)> {
+    let mut r = open(path)?;
+    let cfg = config_of(&r)?;
+    let tokenizer = tokenizer_of(&r)?;
+    let (h, ffn, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+    let embed = r.tensor("token_embd.weight", &[cfg.vocab_size, h])?;
+    let mut blocks = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let mut t = |name: &str, shape: &[usize]| r.tensor(&format!("blk.{i}.{name}.weight"), shape);
+        let linear = |weight| Linear { weight, bias: None };
+        blocks.push(Block {
+            attn_norm: t("attn_norm", &[h])?,
+            q: linear(unpermute_rows(&t("attn_q", &[qd, h])?, cfg.num_heads)?),
+            k: linear(unpermute_rows(&t("attn_k", &[kvd, h])?, cfg.num_kv_heads)?),
+            v: linear(t("attn_v", &[kvd, h])?),
+            o: linear(t("attn_output", &[h, qd])?),
+            mlp_norm: t("ffn_norm", &[h])?,
+            gate: linear(t("ffn_gate", &[ffn, h])?),
+            up: linear(t("ffn_up", &[ffn, h])?),
+            down: linear(t("ffn_down", &[h, ffn])?),
+        });
+    }
+    let final_norm = r.tensor("output_norm.weight", &[h])?;
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(r.tensor("output.weight", &[cfg.vocab_size, h])?)
+    };
+    Ok((Llama::new(cfg, embed, blocks, final_norm, lm_head)?, tokenizer))
+}
+
+/// The metadata and tensors of a GGUF file, before writing: tests edit them
+/// to make broken files.
+pub struct GgufContents {
+    pub metadata: Vec<(String, Value)>,
+    pub tensors: Vec<(String, Tensor)>,
+}
+
+impl GgufContents {
+    /// `model` (HF layout) and its tokenizer vocabulary as a llama.cpp-style
+    /// Llama GGUF, with q/k rows permuted as llama.cpp does.
+    pub fn of(model: &Llama, tokens: &[String], merges: &[String], special: &[u32], chat_template: &str) -> Result<Self> {
+        let cfg = &model.config;
+        let u32v = |n: usize| Value::U32(n as u32);
+        let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
+        let types = (0..tokens.len() as u32)
+            .map(|i| Value::I32(if special.contains(&i) { TOKEN_TYPE_CONTROL } else { 1 }))
+            .collect();
+        let metadata: Vec<(String, Value)> = [
+            ("general.architecture", Value::String("llama".into())),
+            ("general.name", Value::String(cfg.name.clone())),
+            ("llama.block_count", u32v(cfg.num_layers)),
+            ("llama.context_length", u32v(cfg.max_position_embeddings)),
+            ("llama.embedding_length", u32v(cfg.hidden_size)),
+            ("llama.feed_forward_length", u32v(cfg.intermediate_size)),
+            ("llama.attention.head_count", u32v(cfg.num_heads)),
+            ("llama.attention.head_count_kv", u32v(cfg.num_kv_heads)),
+            ("llama.rope.freq_base", Value::F32(cfg.rope_theta as f32)),
+            ("llama.rope.dimension_count", u32v(cfg.head_dim)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(cfg.rms_norm_eps as f32)),
+            ("llama.vocab_size", u32v(cfg.vocab_size)),
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String("smollm".into())),
+            ("tokenizer.chat_template", Value::String(chat_template.into())),
+            ("tokenizer.ggml.tokens", strings(tokens)),
+            ("tokenizer.ggml.merges", strings(merges)),
+            ("tokenizer.ggml.token_type", Value::Array(types)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+
+        let mut tensors: Vec<(String, Tensor)> = vec![("token_embd.weight".into(), model.embed.clone())];
+        for (i, b) in model.blocks.iter().enumerate() {
+            let name = |n: &str| format!("blk.{i}.{n}.weight");
+            tensors.push((name("attn_norm"), b.attn_norm.clone()));
+            tensors.push((name("attn_q"), permute_rows(&b.q.weight, cfg.num_heads)?));
+            tensors.push((name("attn_k"), permute_rows(&b.k.weight, cfg.num_kv_heads)?));
+            tensors.push((name("attn_v"), b.v.weight.clone()));
+            tensors.push((name("attn_output"), b.o.weight.clone()));
+            tensors.push((name("ffn_norm"), b.mlp_norm.clone()));
+            tensors.push((name("ffn_gate"), b.gate.weight.clone()));
+            tensors.push((name("ffn_up"), b.up.weight.clone()));
+            tensors.push((name("ffn_down"), b.down.weight.clone()));
+        }
+        tensors.push(("output_norm.weight".into(), model.final_norm.clone()));
+        if !cfg.tie_word_embeddings {
+            tensors.push(("output.weight".into(), model.lm_head.clone()));
+        }
+        Ok(GgufContents { metadata, tensors })
+    }
+
+    /// Write as a GGUF file with f32 tensors.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let qtensors = self
+            .tensors
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), QTensor::quantize(&t.contiguous()?, GgmlDType::F32)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let meta: Vec<(&str, &Value)> = self.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensors: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut file = File::create(path).map_err(Error::io(path))?;
+        gguf_file::write(&mut file, &meta, &tensors)?;
+        Ok(())
+    }
+}
+
+/// Write `model` and its vocabulary as a Llama GGUF file (for test models).
+pub fn write(
+    path: &Path,
+    model: &Llama,
+    tokens: &[String],
+    merges: &[String],
+    special: &[u32],
+    chat_template: &str,
+) -> Result<()> {
+    GgufContents::of(model, tokens, merges, special, chat_template)?.write(path)
+}
+
+/// Whether `path` starts with the GGUF magic.
+pub fn is_gguf(path: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    File::open(path)
+        .and_then(|mut f| {
+            f.rewind()?;
+            f.read_exact(&mut magic)
+        })
+        .is_ok()
+        && &magic == b"GGUF"
+}

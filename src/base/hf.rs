@@ -1,0 +1,273 @@
+//! Reading (and, for tests, writing) HF checkpoints: a directory with
+//! `config.json`, `model.safetensors` or sharded `model-*.safetensors` with
+//! `model.safetensors.index.json`, and `tokenizer.json`. Llama and Qwen2.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde::Deserialize;
+
+use super::config::{Arch, ModelConfig};
+use super::error::{Error, Result};
+use super::model::{Block, Linear, Llama};
+use super::tokenizer::{ChatTemplate, Tokenizer};
+
+#[derive(Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    architectures: Vec<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rope_theta: Option<f64>,
+    rms_norm_eps: f64,
+    max_position_embeddings: usize,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    _name_or_path: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: HashMap<String, String>,
+}
+
+/// Read `config.json` of an HF model directory.
+pub fn read_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(Error::io(&path))?;
+    let hf: HfConfig = serde_json::from_str(&text).map_err(|e| Error::bad_file(&path, e))?;
+    let arch = match hf.architectures.first().map(String::as_str) {
+        Some("LlamaForCausalLM") => Arch::Llama,
+        Some("Qwen2ForCausalLM") => Arch::Qwen2,
+        other => {
+            return Err(Error::UnsupportedArch {
+                path,
+                arch: other.unwrap_or("(none)").to_string(),
+                supported: "LlamaForCausalLM, Qwen2ForCausalLM",
+            })
+        }
+    };
+    let heads = hf.num_attention_heads;
+    let kv_heads = hf.num_key_value_heads.unwrap_or(heads);
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::bad_file(&path, format!("heads {heads} not a multiple of kv heads {kv_heads}")));
+    }
+    let name = hf._name_or_path.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    });
+    Ok(ModelConfig {
+        arch,
+        name,
+        vocab_size: hf.vocab_size,
+        hidden_size: hf.hidden_size,
+        intermediate_size: hf.intermediate_size,
+        num_layers: hf.num_hidden_layers,
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hf.head_dim.unwrap_or(hf.hidden_size / heads),
+        rope_theta: hf.rope_theta.unwrap_or(10_000.0),
+        rms_norm_eps: hf.rms_norm_eps,
+        max_position_embeddings: hf.max_position_embeddings,
+        tie_word_embeddings: hf.tie_word_embeddings,
+    })
+}
+
+/// Every tensor of the checkpoint, by name, as f32.
+fn read_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let index = dir.join("model.safetensors.index.json");
+    let files: BTreeSet<String> = if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(Error::io(&index))?;
+        let idx: ShardIndex = serde_json::from_str(&text).map_err(|e| Error::bad_file(&index, e))?;
+        idx.weight_map.into_values().collect()
+    } else {
+        ["model.safetensors".to_string()].into()
+    };
+    let mut all = HashMap::new();
+    for file in files {
+        let path = dir.join(&file);
+        if !path.exists() {
+            return Err(Error::io(&path)(std::io::ErrorKind::NotFound.into()));
+        }
+        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| Error::bad_file(&path, e))?;
+        for (name, t) in tensors {
+            all.insert(name, t.to_dtype(DType::F32)?);
+        }
+    }
+    Ok(all)
+}
+
+/// Load an HF model directory.
+pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
+    let cfg = read_config(dir)?;
+    let tok_path = dir.join("tokenizer.json");
+    let inner = tokenizers::Tokenizer::from_file(&tok_path)
+        .map_err(|e| Error::bad_file(&tok_path, e))?;
+    let tokenizer = Tokenizer::from_inner(inner, chat_template(dir));
+    let mut tensors = read_tensors(dir)?;
+    let mut take = |name: &str, shape: &[usize]| -> Result<Tensor> {
+        let t = tensors.remove(name).ok_or_else(|| Error::BadTensor {
+            path: dir.to_path_buf(),
+            name: name.to_string(),
+            reason: "missing".into(),
+        })?;
+        if t.dims() != shape {
+            return Err(Error::BadTensor {
+                path: dir.to_path_buf(),
+                name: name.to_string(),
+                reason: format!("shape {:?}, expected {shape:?}", t.dims()),
+            });
+        }
+        Ok(t)
+    };
+    let (h, ffn, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+    let embed = take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+    let mut blocks = Vec::with_capacity(cfg.num_layers);
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: take(&format!("{p}.{name}.weight"), &[out, inp])?,
+                bias: if bias { Some(take(&format!("{p}.{name}.bias"), &[out])?) } else { None },
+            })
+        };
+        let qkv_bias = cfg.attention_bias();
+        let q = linear("self_attn.q_proj", qd, h, qkv_bias)?;
+        let k = linear("self_attn.k_proj", kvd, h, qkv_bias)?;
+        let v = linear("self_attn.v_proj", kvd, h, qkv_bias)?;
+        let o = linear("self_attn.o_proj", h, qd, false)?;
+        let gate = linear("mlp.gate_proj", ffn, h, false)?;
+        let up = linear("mlp.up_proj", ffn, h, false)?;
+        let down = linear("mlp.down_proj", h, ffn, false)?;
+        blocks.push(Block {
+            attn_norm: take(&format!("{p}.input_layernorm.weight"), &[h])?,
+            mlp_norm: take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+            q,
+            k,
+            v,
+            o,
+            gate,
+            up,
+            down,
+        });
+    }
+    let final_norm = take("model.norm.weight", &[h])?;
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
+    };
+    Ok((Llama::new(cfg, embed, blocks, final_norm, lm_head)?, tokenizer))
+}
+
+/// The chat template from `tokenizer_config.json` when present; ChatML without
+/// a default system prompt otherwise.
+fn chat_template(dir: &Path) -> ChatTemplate {
+    std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("chat_template")?.as_str().map(ChatTemplate::from_jinja))
+        .unwrap_or(ChatTemplate { default_system: None })
+}
+
+/// The HF tensor names and values of `model` (for writing test checkpoints).
+pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
+    let mut out = vec![("model.embed_tokens.weight".to_string(), model.embed.clone())];
+    for (i, b) in model.blocks.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        out.push((format!("{p}.input_layernorm.weight"), b.attn_norm.clone()));
+        out.push((format!("{p}.post_attention_layernorm.weight"), b.mlp_norm.clone()));
+        for (name, lin) in [
+            ("self_attn.q_proj", &b.q),
+            ("self_attn.k_proj", &b.k),
+            ("self_attn.v_proj", &b.v),
+            ("self_attn.o_proj", &b.o),
+            ("mlp.gate_proj", &b.gate),
+            ("mlp.up_proj", &b.up),
+            ("mlp.down_proj", &b.down),
+        ] {
+            out.push((format!("{p}.{name}.weight"), lin.weight.clone()));
+            if let Some(bias) = &lin.bias {
+                out.push((format!("{p}.{name}.bias"), bias.clone()));
+            }
+        }
+    }
+    out.push(("model.norm.weight".to_string(), model.final_norm.clone()));
+    if !model.config.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), model.lm_head.clone()));
+    }
+    out
+}
+
+/// Write `model` as an HF directory split into `shards` safetensors files
+/// (one file without an index when `shards == 1`), with `config.json` and
+/// the given `tokenizer.json`.
+pub fn write(dir: &Path, model: &Llama, tokenizer: &tokenizers::Tokenizer, shards: usize) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
+    let cfg = &model.config;
+    let arch = match cfg.arch {
+        Arch::Llama => "LlamaForCausalLM",
+        Arch::Qwen2 => "Qwen2ForCausalLM",
+    };
+    let config = serde_json::json!({
+        "architectures": [arch],
+        "model_type": if cfg.arch == Arch::Llama { "llama" } else { "qwen2" },
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "_name_or_path": cfg.name,
+        "sliding_window": cfg.max_position_embeddings,
+        "max_window_layers": cfg.num_layers,
+        "use_sliding_window": false,
+    });
+    let config_path = dir.join("config.json");
+    std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap_or_default())
+        .map_err(Error::io(&config_path))?;
+    let tok_path = dir.join("tokenizer.json");
+    tokenizer
+        .save(&tok_path, false)
+        .map_err(|e| Error::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+
+    let tensors = named_tensors(model);
+    let shards = shards.max(1);
+    let per_shard = tensors.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (s, chunk) in tensors.chunks(per_shard).enumerate() {
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", s + 1, shards)
+        };
+        let map: HashMap<String, Tensor> = chunk.iter().cloned().collect();
+        for name in map.keys() {
+            weight_map.insert(name.clone(), file.clone().into());
+        }
+        let path = dir.join(&file);
+        candle_core::safetensors::save(&map, &path).map_err(|e| Error::bad_file(&path, e))?;
+    }
+    if shards > 1 {
+        let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+        let path = dir.join("model.safetensors.index.json");
+        std::fs::write(&path, index.to_string()).map_err(Error::io(&path))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,428 @@
+//! The Llama-family forward pass (Llama, Qwen2), written so that a LoRA delta can
+//! be added to every linear projection and every op carries gradients.
+//!
+//! ```text
+//! h₀ = embed(tokens)
+//! for each block:
+//!     a  = RMSNorm(h)                 q,k,v = a·Wqᵀ (+bias) + Δq(a), ...
+//!     q,k = RoPE(q,k, positions)      attn  = softmax(q·kᵀ/√d + mask)·v   (GQA)
+//!     h  = h + attn·Woᵀ + Δo(attn)
+//!     m  = RMSNorm(h)                 h = h + down(silu(gate(m)) ⊙ up(m))
+//! logits = RMSNorm(h)·Eᵀ              (E = lm_head, or the embedding when tied)
+//! ```
+//!
+//! Rows of a batch may have different lengths: they are left-padded, each row
+//! carries its own RoPE positions, and an additive mask hides padding and the
+//! future. Only differentiable candle ops are used here (no `softmax_last_dim`,
+//! `rms_norm`, `rope`, `QMatMul`): see DESIGN.md "gradient traps".
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+
+use super::config::ModelConfig;
+use super::error::Result;
+use crate::lora::Target;
+
+/// Added to masked attention scores. Finite so that a fully masked (padding)
+/// query row yields a harmless uniform distribution instead of NaN.
+const MASKED: f32 = -1e9;
+
+/// Supplies the low-rank update of a projection: `Δ(x) = s·(x·Aᵀ)·Bᵀ` per row.
+/// The base model knows nothing about adapters beyond this hook.
+pub trait LoraHook {
+    /// The delta to add to projection `target` of `layer` for input `x`
+    /// (`[rows, tokens, in]`), or `None` when no row has an adapter there.
+    fn delta(&self, layer: usize, target: Target, x: &Tensor) -> Result<Option<Tensor>>;
+}
+
+/// The hook of the plain base model.
+pub struct NoLora;
+
+impl LoraHook for NoLora {
+    fn delta(&self, _: usize, _: Target, _: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+/// A frozen projection `y = x·Wᵀ + b`, `W` `[out, in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        // Flatten to 2-D so candle runs one GEMM instead of a batched one.
+        let (rows, tokens, dim) = x.dims3()?;
+        let y = x
+            .reshape((rows * tokens, dim))?
+            .matmul(&self.weight.t()?)?
+            .reshape((rows, tokens, ()))?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Block {
+    pub attn_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub mlp_norm: Tensor,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Block {
+    pub fn linear(&self, target: Target) -> &Linear {
+        match target {
+            Target::Q => &self.q,
+            Target::K => &self.k,
+            Target::V => &self.v,
+            Target::O => &self.o,
+            Target::Gate => &self.gate,
+            Target::Up => &self.up,
+            Target::Down => &self.down,
+        }
+    }
+}
+
+/// The frozen weights of a Llama-family model, in HF layout.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    pub config: ModelConfig,
+    pub embed: Tensor,
+    pub blocks: Vec<Block>,
+    pub final_norm: Tensor,
+    /// `[vocab, hidden]`; the embedding itself when tied.
+    pub lm_head: Tensor,
+    rope_cos: Tensor,
+    rope_sin: Tensor,
+}
+
+/// Keys and values of earlier positions, one pair per layer, `[rows, kv_heads, len, head_dim]`.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> KvCache {
+        KvCache {
+            layers: vec![None; num_layers],
+        }
+    }
+
+    /// Number of cached positions (including left padding).
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keep only the given rows (finished rows leave the batch).
+    pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(rows, 0)?;
+            *v = v.index_select(rows, 0)?;
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
+        let kv = match self.layers[layer].take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        self.layers[layer] = Some(kv.clone());
+        Ok(kv)
+    }
+}
+
+/// Where each new token sits: per-row RoPE positions and the attention mask
+/// over all (cached + new) key slots.
+#[derive(Debug, Clone)]
+pub struct Positions {
+    /// `[rows, new_tokens]` u32: the RoPE position of each new token.
+    pub positions: Tensor,
+    /// `[rows, 1, new_tokens, total_slots]` f32, 0 where visible, `MASKED` elsewhere.
+    pub mask: Tensor,
+}
+
+impl Positions {
+    /// For rows that are left-padded by `pad[r]` slots: the new tokens occupy
+    /// slots `past..past+new`; a key slot is visible to a query when it is not
+    /// padding and not in the query's future.
+    pub fn left_padded(pad: &[usize], past: usize, new: usize, device: &Device) -> Result<Positions> {
+        let total = past + new;
+        let rows = pad.len();
+        let mut positions = Vec::with_capacity(rows * new);
+        let mut mask = Vec::with_capacity(rows * new * total);
+        for &p in pad {
+            for q in past..total {
+                positions.push(q.saturating_sub(p) as u32);
+                mask.extend((0..total).map(|k| if k >= p && k <= q { 0.0 } else { MASKED }));
+            }
+        }
+        Ok(Positions {
+            positions: Tensor::from_vec(positions, (rows, new), device)?,
+            mask: Tensor::from_vec(mask, (rows, 1, new, total), device)?,
+        })
+    }
+}
+
+/// Which positions to turn into logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    All,
+    Last,
+}
+
+impl Llama {
+    pub fn new(
+        config: ModelConfig,
+        embed: Tensor,
+        blocks: Vec<Block>,
+        final_norm: Tensor,
+        lm_head: Option<Tensor>,
+    ) -> Result<Llama> {
+        let lm_head = lm_head.unwrap_or_else(|| embed.clone());
+        let (rope_cos, rope_sin) = rope_tables(&config, embed.device())?;
+        Ok(Llama {
+            config,
+            embed,
+            blocks,
+            final_norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+        })
+    }
+
+    /// The same model with every weight in `dtype` (f64 for gradient checks).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Llama> {
+        let cast = |t: &Tensor| t.to_dtype(dtype);
+        let linear = |l: &Linear| -> candle_core::Result<Linear> {
+            Ok(Linear {
+                weight: cast(&l.weight)?,
+                bias: l.bias.as_ref().map(cast).transpose()?,
+            })
+        };
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|b| {
+                Ok(Block {
+                    attn_norm: cast(&b.attn_norm)?,
+                    q: linear(&b.q)?,
+                    k: linear(&b.k)?,
+                    v: linear(&b.v)?,
+                    o: linear(&b.o)?,
+                    mlp_norm: cast(&b.mlp_norm)?,
+                    gate: linear(&b.gate)?,
+                    up: linear(&b.up)?,
+                    down: linear(&b.down)?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Llama {
+            config: self.config.clone(),
+            embed: cast(&self.embed)?,
+            blocks,
+            final_norm: cast(&self.final_norm)?,
+            lm_head: cast(&self.lm_head)?,
+            rope_cos: cast(&self.rope_cos)?,
+            rope_sin: cast(&self.rope_sin)?,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    /// Look up token embeddings: `[rows, tokens]` u32 → `[rows, tokens, hidden]`.
+    pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (rows, n) = tokens.dims2()?;
+        let flat = self.embed.index_select(&tokens.flatten_all()?, 0)?;
+        Ok(flat.reshape((rows, n, self.config.hidden_size))?)
+    }
+
+    /// Logits for `tokens` (`[rows, new]`), continuing `cache` when given.
+    pub fn forward(
+        &self,
+        tokens: &Tensor,
+        at: &Positions,
+        cache: Option<&mut KvCache>,
+        lora: &dyn LoraHook,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let h = self.embed(tokens)?;
+        self.forward_embeds(&h, at, cache, lora, logits)
+    }
+
+    /// The forward from input embeddings `[rows, new, hidden]` (the entry point
+    /// of the finite-difference gradient check).
+    pub fn forward_embeds(
+        &self,
+        embeds: &Tensor,
+        at: &Positions,
+        cache: Option<&mut KvCache>,
+        lora: &dyn LoraHook,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        let h = self.hidden_states(embeds, at, cache, lora)?;
+        let h = match logits {
+            Logits::All => h,
+            Logits::Last => h.i((.., h.dim(1)? - 1..))?,
+        };
+        self.head(&h)
+    }
+
+    /// The last block's output `[rows, new, hidden]`, before the final norm.
+    pub fn hidden_states(
+        &self,
+        embeds: &Tensor,
+        at: &Positions,
+        mut cache: Option<&mut KvCache>,
+        lora: &dyn LoraHook,
+    ) -> Result<Tensor> {
+        let (cos, sin) = self.rope_at(&at.positions)?;
+        let mask = at.mask.to_dtype(embeds.dtype())?;
+        let mut h = embeds.clone();
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let cache = cache.as_deref_mut();
+            h = self.block_forward(layer, block, &h, &cos, &sin, &mask, cache, lora)?;
+        }
+        Ok(h)
+    }
+
+    /// Final norm and LM head: `[..., hidden]` → `[..., vocab]`.
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let h = rms_norm(h, &self.final_norm, self.config.rms_norm_eps)?;
+        let dims = h.dims().to_vec();
+        let hidden = self.config.hidden_size;
+        let flat = h.reshape(((), hidden))?.matmul(&self.lm_head.t()?)?;
+        let mut out_dims = dims[..dims.len() - 1].to_vec();
+        out_dims.push(self.config.vocab_size);
+        Ok(flat.reshape(out_dims)?)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn block_forward(
+        &self,
+        layer: usize,
+        block: &Block,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<&mut KvCache>,
+        lora: &dyn LoraHook,
+    ) -> Result<Tensor> {
+        let proj = |target: Target, x: &Tensor| -> Result<Tensor> {
+            let y = block.linear(target).forward(x)?;
+            match lora.delta(layer, target, x)? {
+                Some(d) => Ok((y + d)?),
+                None => Ok(y),
+            }
+        };
+        let cfg = &self.config;
+        let (rows, n, _) = h.dims3()?;
+        let (heads, kv_heads, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+
+        let a = rms_norm(h, &block.attn_norm, cfg.rms_norm_eps)?;
+        let split = |t: Tensor, nh: usize| -> Result<Tensor> {
+            Ok(t.reshape((rows, n, nh, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        let q = rope(&split(proj(Target::Q, &a)?, heads)?, cos, sin)?;
+        let k = rope(&split(proj(Target::K, &a)?, kv_heads)?, cos, sin)?;
+        let v = split(proj(Target::V, &a)?, kv_heads)?;
+        let (k, v) = match cache {
+            Some(c) => c.append(layer, k, v)?,
+            None => (k, v),
+        };
+        let attn = attention(&q, &k, &v, mask, kv_heads)?;
+        let attn = attn.transpose(1, 2)?.reshape((rows, n, heads * hd))?;
+        let h = (h + proj(Target::O, &attn)?)?;
+
+        let m = rms_norm(&h, &block.mlp_norm, cfg.rms_norm_eps)?;
+        let gated = (proj(Target::Gate, &m)?.silu()? * proj(Target::Up, &m)?)?;
+        Ok((h + proj(Target::Down, &gated)?)?)
+    }
+
+    /// cos/sin for each row's positions: `[rows, 1, new, head_dim/2]`.
+    fn rope_at(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (rows, n) = positions.dims2()?;
+        let flat = positions.flatten_all()?;
+        let gather = |table: &Tensor| -> Result<Tensor> {
+            Ok(table
+                .index_select(&flat, 0)?
+                .reshape((rows, 1, n, self.config.head_dim / 2))?)
+        };
+        Ok((gather(&self.rope_cos)?, gather(&self.rope_sin)?))
+    }
+}
+
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = cfg.head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64) as f32)
+        .collect();
+    let max = cfg.max_position_embeddings;
+    let inv_freq = Tensor::from_vec(inv_freq, (1, half), device)?;
+    let t = Tensor::arange(0u32, max as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((max, 1))?;
+    let freqs = t.matmul(&inv_freq)?;
+    Ok((freqs.cos()?, freqs.sin()?))
+}
+
+/// RMSNorm from plain ops: `x / √(mean(x²) + ε) · w`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    Ok(normed.broadcast_mul(weight)?)
+}
+
+/// HF ("rotate half") RoPE on `[rows, heads, new, head_dim]`.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let r1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let r2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Ok(Tensor::cat(&[r1, r2], D::Minus1)?)
+}
+
+/// Softmax from plain ops (candle's fused `softmax_last_dim` has no backward).
+fn softmax(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// Grouped-query attention. Query heads come in groups that share one KV head,
+/// so folding each group into the token axis lets one matmul serve the group
+/// without copying K and V.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize) -> Result<Tensor> {
+    let (rows, heads, n, hd) = q.dims4()?;
+    let slots = k.dim(2)?;
+    let group = heads / kv_heads;
+    let q = q.reshape((rows, kv_heads, group * n, hd))?;
+    let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+    let scores = scores
+        .reshape((rows, heads, n, slots))?
+        .broadcast_add(mask)?;
+    let probs = softmax(&scores)?.reshape((rows, kv_heads, group * n, slots))?;
+    Ok(probs.matmul(v)?.reshape((rows, heads, n, hd))?)
+}

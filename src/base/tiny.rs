@@ -1,0 +1,138 @@
+//! Tiny random Llama/Qwen2 models for tests: any dimensions, seeded, writable
+//! as real GGUF files or HF directories.
+
+use candle_core::{Device, Tensor};
+use rand::Rng;
+
+use super::config::{Arch, ModelConfig};
+use super::error::Result;
+use super::model::{Block, Linear, Llama};
+use super::tokenizer::{byte_to_char, ChatTemplate, Tokenizer};
+
+/// The shape of a tiny model. `vocab` must be at least 259 (bytes + 3 specials).
+#[derive(Debug, Clone)]
+pub struct TinySpec {
+    pub arch: Arch,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    pub max_positions: usize,
+    pub tied: bool,
+    pub seed: u64,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec {
+            arch: Arch::Llama,
+            vocab: 300,
+            hidden: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 48,
+            max_positions: 256,
+            tied: true,
+            seed: 0,
+        }
+    }
+}
+
+/// The vocabulary of a tiny model: the 256 byte tokens, `<|endoftext|>`,
+/// `<|im_start|>`, `<|im_end|>`, then filler tokens.
+#[derive(Debug, Clone)]
+pub struct TinyVocab {
+    pub tokens: Vec<String>,
+    pub merges: Vec<String>,
+    pub special: Vec<u32>,
+}
+
+pub const TINY_CHAT_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
+
+impl TinyVocab {
+    pub fn new(vocab: usize) -> TinyVocab {
+        let mut tokens: Vec<String> = byte_to_char().iter().map(|c| c.to_string()).collect();
+        let special_start = tokens.len() as u32;
+        tokens.extend(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(String::from));
+        let mut filler = 0;
+        while tokens.len() < vocab {
+            tokens.push(format!("<extra_{filler}>"));
+            filler += 1;
+        }
+        TinyVocab {
+            tokens,
+            merges: Vec::new(),
+            special: (special_start..special_start + 3).collect(),
+        }
+    }
+
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        Tokenizer::from_bpe(
+            &self.tokens,
+            &self.merges,
+            &self.special,
+            ChatTemplate::from_jinja(TINY_CHAT_TEMPLATE),
+        )
+    }
+}
+
+fn uniform(rng: &mut impl Rng, shape: &[usize], scale: f32, offset: f32) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.random_range(-1.0f32..1.0)).collect();
+    Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+}
+
+/// A random model of the given shape, weights drawn from the seeded stream.
+pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
+    let vocab = TinyVocab::new(spec.vocab);
+    let config = ModelConfig {
+        arch: spec.arch,
+        name: format!("tiny-{:?}-{}", spec.arch, spec.seed).to_lowercase(),
+        vocab_size: vocab.tokens.len(),
+        hidden_size: spec.hidden,
+        intermediate_size: spec.ffn,
+        num_layers: spec.layers,
+        num_heads: spec.heads,
+        num_kv_heads: spec.kv_heads,
+        head_dim: spec.hidden / spec.heads,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1.0 / 65536.0, // exact in f32, so GGUF round trips compare equal
+        max_position_embeddings: spec.max_positions,
+        tie_word_embeddings: spec.tied,
+    };
+    let mut rng = crate::keyed_stream!(spec.seed, "tiny-model");
+    let (h, f, qd, kvd) = (config.hidden_size, config.intermediate_size, config.q_dim(), config.kv_dim());
+    let linear = |rng: &mut _, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+        let scale = 1.0 / (inp as f32).sqrt();
+        Ok(Linear {
+            weight: uniform(rng, &[out, inp], scale * 1.5, 0.0)?,
+            bias: if bias { Some(uniform(rng, &[out], 0.1, 0.0)?) } else { None },
+        })
+    };
+    let embed = uniform(&mut rng, &[config.vocab_size, h], 1.0, 0.0)?;
+    let bias = config.attention_bias();
+    let mut blocks = Vec::new();
+    for _ in 0..config.num_layers {
+        blocks.push(Block {
+            attn_norm: uniform(&mut rng, &[h], 0.1, 1.0)?,
+            q: linear(&mut rng, qd, h, bias)?,
+            k: linear(&mut rng, kvd, h, bias)?,
+            v: linear(&mut rng, kvd, h, bias)?,
+            o: linear(&mut rng, h, qd, false)?,
+            mlp_norm: uniform(&mut rng, &[h], 0.1, 1.0)?,
+            gate: linear(&mut rng, f, h, false)?,
+            up: linear(&mut rng, f, h, false)?,
+            down: linear(&mut rng, h, f, false)?,
+        });
+    }
+    let final_norm = uniform(&mut rng, &[h], 0.1, 1.0)?;
+    let lm_head = if spec.tied {
+        None
+    } else {
+        Some(uniform(&mut rng, &[config.vocab_size, h], 0.5, 0.0)?)
+    };
+    Ok((Llama::new(config, embed, blocks, final_norm, lm_head)?, vocab))
+}

@@ -1,0 +1,34 @@
+//! Multi-adapter batched compute: what the broker executes.
+//!
+//! One pass through the frozen base serves a batch whose rows name different
+//! adapters (or none). Rows are grouped by adapter into contiguous segments, as
+//! SGMV does: each segment is shrunk to rank r by its A, expanded by its B and
+//! added to the frozen projection's output.
+
+mod generate;
+mod segments;
+mod train;
+
+pub use generate::{generate, sample_token, GenRequest, Generation, Sampling, StopReason};
+pub use segments::{AdapterId, AdapterSet, RowAdapters};
+pub use train::{
+    logprobs, train_step, ScoreRow, TrainConfig, TrainOutput, TrainRow, TrainStats, DEFAULT_CLIP,
+    DEFAULT_TOKEN_BUDGET,
+};
+
+/// Errors of batched compute.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Base(#[from] crate::base::Error),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("row {row} names adapter {adapter}, which is not in the adapter set")]
+    UnknownAdapter { row: usize, adapter: AdapterId },
+    #[error("adapter {adapter} does not fit the base: {reason}")]
+    AdapterMismatch { adapter: AdapterId, reason: String },
+    #[error("row {row}: {reason}")]
+    BadRow { row: usize, reason: String },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,190 @@
+//! The `Adapter` type: factors per (layer, target), their shapes and scale.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::base::ModelConfig;
+
+/// A linear projection of a Llama block that an adapter can target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// The HF/PEFT module name (`q_proj`, ..., `down_proj`).
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+
+    /// `self_attn` or `mlp`: the HF parent module of this projection.
+    pub fn hf_parent(self) -> &'static str {
+        match self {
+            Target::Q | Target::K | Target::V | Target::O => "self_attn",
+            Target::Gate | Target::Up | Target::Down => "mlp",
+        }
+    }
+
+    /// Parse `q`, `q_proj`, `gate`, `gate_proj`, ...
+    pub fn parse(name: &str) -> Option<Target> {
+        let short = name.strip_suffix("_proj").unwrap_or(name);
+        Target::ALL
+            .into_iter()
+            .find(|t| t.hf_name().strip_suffix("_proj") == Some(short))
+    }
+
+    /// `(in_features, out_features)` of this projection in `cfg`.
+    pub fn dims(self, cfg: &ModelConfig) -> (usize, usize) {
+        let h = cfg.hidden_size;
+        match self {
+            Target::Q => (h, cfg.q_dim()),
+            Target::K | Target::V => (h, cfg.kv_dim()),
+            Target::O => (cfg.q_dim(), h),
+            Target::Gate | Target::Up => (h, cfg.intermediate_size),
+            Target::Down => (cfg.intermediate_size, h),
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.hf_name())
+    }
+}
+
+/// Hyperparameters of an adapter. Defaults follow common LoRA practice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    /// Rank r of every factor pair (default 8).
+    pub rank: usize,
+    /// Scaling numerator (default 16).
+    pub alpha: f64,
+    /// Projections that carry factors (default: all seven).
+    pub targets: Vec<Target>,
+    /// rsLoRA scaling `alpha/√r` instead of `alpha/r` (default false).
+    pub use_rslora: bool,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            targets: Target::ALL.to_vec(),
+            use_rslora: false,
+        }
+    }
+}
+
+impl LoraConfig {
+    pub fn scale(&self) -> f64 {
+        if self.use_rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+}
+
+/// Which projection of which layer a factor pair belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ModuleKey {
+    pub layer: usize,
+    pub target: Target,
+}
+
+/// One factor pair: A `[r, in]`, B `[out, r]`.
+#[derive(Debug, Clone)]
+pub struct LoraModule {
+    pub a: Var,
+    pub b: Var,
+}
+
+impl LoraModule {
+    /// The dense update `B·A` (without the scale): `[out, in]`. For tests and
+    /// small shapes only; evolution never forms it at real sizes.
+    pub fn delta_w(&self) -> candle_core::Result<Tensor> {
+        self.b.as_tensor().matmul(self.a.as_tensor())
+    }
+}
+
+/// A LoRA adapter for one base model. Modules are kept in a `BTreeMap` so that
+/// iteration order (checksums, saving, optimizer steps) is always the same.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    pub config: LoraConfig,
+    pub modules: BTreeMap<ModuleKey, LoraModule>,
+}
+
+impl Adapter {
+    /// A fresh adapter: A Kaiming-uniform (PyTorch's `kaiming_uniform_(a=√5)`,
+    /// i.e. U(-1/√in, 1/√in)) from `rng`, B zero, so it leaves the base unchanged.
+    pub fn new(
+        config: LoraConfig,
+        model: &ModelConfig,
+        rng: &mut impl Rng,
+        device: &Device,
+    ) -> candle_core::Result<Adapter> {
+        let mut modules = BTreeMap::new();
+        for layer in 0..model.num_layers {
+            for &target in &config.targets {
+                let (fan_in, fan_out) = target.dims(model);
+                let bound = 1.0 / (fan_in as f32).sqrt();
+                let a: Vec<f32> = (0..config.rank * fan_in)
+                    .map(|_| rng.random_range(-bound..bound))
+                    .collect();
+                let a = Tensor::from_vec(a, (config.rank, fan_in), device)?;
+                let b = Tensor::zeros((fan_out, config.rank), DType::F32, device)?;
+                modules.insert(
+                    ModuleKey { layer, target },
+                    LoraModule {
+                        a: Var::from_tensor(&a)?,
+                        b: Var::from_tensor(&b)?,
+                    },
+                );
+            }
+        }
+        Ok(Adapter { config, modules })
+    }
+
+    pub fn scale(&self) -> f64 {
+        self.config.scale()
+    }
+
+    pub fn get(&self, layer: usize, target: Target) -> Option<&LoraModule> {
+        self.modules.get(&ModuleKey { layer, target })
+    }
+
+    /// Every trainable variable, in a fixed order (A then B per module).
+    pub fn vars(&self) -> Vec<&Var> {
+        self.modules.values().flat_map(|m| [&m.a, &m.b]).collect()
+    }
+}

@@ -1,0 +1,22 @@
+//! LoRA adapters: the trainable part of every population member.
+//!
+//! An adapter holds, for each layer and each target projection, the factors
+//! A `[r, in]` and B `[out, r]`; the projection's weight becomes
+//! `W + scale · B·A` with `scale = alpha / r` (or `alpha / √r` with rsLoRA).
+
+mod adamw;
+mod adapter;
+mod error;
+mod files;
+mod peft;
+mod shape;
+mod store;
+
+pub use adapter::{Adapter, LoraConfig, LoraModule, ModuleKey, Target};
+pub use adamw::{
+    clip_grad_norm, grad_norm, AdamW, AdamWConfig, AdapterGrads, Moments, StepReport,
+    OPTIMIZER_META, OPTIMIZER_TENSORS,
+};
+pub use error::{Error, Result};
+pub use peft::{export_peft, import_peft, peft_key, read_peft, PeftAdapter, PEFT_CONFIG, PEFT_TENSORS};
+pub use store::{same_model_name, shape_fingerprint, BaseRef, ADAPTER_META, ADAPTER_TENSORS};

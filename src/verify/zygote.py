@@ -1,0 +1,735 @@
+# populora sandbox zygote: a trusted fork server. The Rust side starts it with
+# `python3 -S -s -B -c <this file> <config json>` and an empty environment except
+# PYTHONHASHSEED=0 (set order must not depend on which worker ran a program, and
+# -I would ignore that variable). It isolates itself once (namespaces, read-only
+# mounts, a Landlock ruleset), then serves requests: 4-byte big-endian length +
+# UTF-8 JSON on the protocol pipes, one reply per request. Each job runs in a
+# forked child with its own process group, rlimits, temp dir and an
+# unprivileged uid; nothing a program does reaches the zygote except the bytes
+# it writes to its own pipes, which are capped.
+import sys
+
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+
+import ast
+import builtins
+import ctypes
+import gc
+import json
+import os
+import select
+import resource
+import shutil
+import signal
+import struct
+import tempfile
+import time
+
+# Modules a program may import without paying the import in every child (and
+# without the unprivileged child needing to read the standard library).
+PRELOAD = (
+    "math", "cmath", "collections", "collections.abc", "itertools", "functools",
+    "heapq", "bisect", "re", "string", "typing", "fractions", "decimal",
+    "operator", "copy", "dataclasses", "enum", "numbers", "array", "textwrap",
+    "unicodedata", "statistics",
+)
+
+# AZR's banned imports plus everything that reaches the OS or the interpreter.
+BANNED_MODULES = frozenset((
+    "logging", "random", "multiprocessing", "pebble", "subprocess", "threading",
+    "datetime", "time", "hashlib", "hmac", "bcrypt", "calendar",
+    "os", "sys", "socket", "shutil", "ctypes", "importlib", "signal", "resource",
+    "pathlib", "builtins", "__builtin__", "io", "tempfile", "glob", "gc",
+    "inspect", "pickle", "marshal", "shelve", "code", "codeop", "pty", "fcntl",
+    "mmap", "posix", "_thread", "_posixsubprocess", "select", "selectors",
+    "asyncio", "concurrent", "urllib", "http", "ftplib", "smtplib", "ssl",
+    "webbrowser", "platform", "sysconfig", "site", "runpy", "zipimport",
+    "secrets", "uuid", "atexit", "faulthandler", "tracemalloc", "weakref",
+))
+BANNED_NAMES = frozenset((
+    "__import__", "eval", "exec", "open", "globals", "locals", "vars", "compile",
+    "getattr", "setattr", "delattr", "breakpoint", "help", "exit", "quit",
+    "memoryview", "__builtins__", "__loader__", "__spec__", "__build_class__",
+))
+# Attribute walks such as ().__class__.__base__.__subclasses__() reach os
+# without naming it; frames and code objects reach globals.
+BANNED_ATTRS = frozenset((
+    "gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "f_globals",
+    "f_locals", "f_builtins", "f_back", "f_code", "tb_frame", "tb_next",
+    "co_code", "func_globals", "mro",
+))
+ALLOWED_DUNDERS = frozenset(("__init__", "__name__", "__doc__", "__len__"))
+TOP_LEVEL_ALLOWED = (ast.FunctionDef, ast.Import, ast.ImportFrom, ast.Assign,
+                     ast.AnnAssign, ast.ClassDef, ast.Expr, ast.Pass)
+
+OUTPUT_CHARS = 400        # AZR: o = repr(f(i))[:400]
+REASON_CHARS = 300        # enough to say what went wrong, bounded
+RESULT_CAP = 1 << 20      # bytes a child may send back as its result
+STDOUT_CHARS = 1000       # of captured stdout returned for debugging
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                       ctypes.c_ulong, ctypes.c_char_p)
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
+MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+SYS_LANDLOCK_CREATE, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT = 444, 445, 446
+
+
+# ---------------------------------------------------------------- protocol --
+
+def read_exact(fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_msg(fd):
+    head = read_exact(fd, 4)
+    if head is None:
+        return None
+    body = read_exact(fd, struct.unpack(">I", head)[0])
+    return None if body is None else json.loads(body)
+
+
+def write_msg(fd, obj):
+    body = json.dumps(obj).encode()
+    data = struct.pack(">I", len(body)) + body
+    while data:
+        data = data[os.write(fd, data):]
+
+
+# --------------------------------------------------------------- isolation --
+
+def prctl(option, arg):
+    return libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+
+
+def try_unshare(is_root):
+    """Enter the strongest set of namespaces this process may create."""
+    user = 0 if is_root else CLONE_NEWUSER
+    for flags in (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID,
+                  CLONE_NEWNS | CLONE_NEWNET, CLONE_NEWNET):
+        if libc.unshare(flags | user) == 0:
+            if user and not map_own_ids():
+                return 0
+            return flags | user
+    return 0
+
+
+def map_own_ids():
+    uid, gid = os.getuid(), os.getgid()
+    try:
+        with open("/proc/self/setgroups", "w") as fh:
+            fh.write("deny")
+        with open("/proc/self/uid_map", "w") as fh:
+            fh.write("0 %d 1" % uid)
+        with open("/proc/self/gid_map", "w") as fh:
+            fh.write("0 %d 1" % gid)
+        return True
+    except OSError:
+        return False
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    return libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) == 0
+
+
+def unescape_mountinfo(path):
+    return path.encode().decode("unicode_escape") if "\\" in path else path
+
+
+def remount_all_read_only():
+    """Read-only bind remount of every mount point, keeping the flags a user
+    namespace would refuse to drop. True when / itself became read-only."""
+    keep = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC,
+            "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME,
+            "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+    if not mount(None, "/", None, MS_REC | MS_PRIVATE):
+        return False
+    root_ok = False
+    with open("/proc/self/mountinfo") as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
+        fields = line.split()
+        target = unescape_mountinfo(fields[4])
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for opt in fields[5].split(","):
+            flags |= keep.get(opt, 0)
+        ok = mount(None, target, None, flags)
+        if target == "/":
+            root_ok = ok
+    return root_ok
+
+
+def landlock_ruleset(read_dirs, read_files, rw_dirs, rw_files):
+    """A ruleset that denies every filesystem access (and exec) except the paths
+    given, every TCP bind/connect, and signals to processes outside the child's
+    domain. Returns (fd or None, layer names)."""
+    abi = libc.syscall(SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
+        return None, []
+    fs_all = (1 << 13) - 1
+    if abi >= 2:
+        fs_all |= 1 << 13  # REFER
+    if abi >= 3:
+        fs_all |= 1 << 14  # TRUNCATE
+    if abi >= 5:
+        fs_all |= 1 << 15  # IOCTL_DEV
+    net = 3 if abi >= 4 else 0
+    scoped = 3 if abi >= 6 else 0
+    size = 8 if abi < 4 else (16 if abi < 6 else 24)
+    attr = ctypes.create_string_buffer(struct.pack("<QQQ", fs_all, net, scoped)[:size], size)
+    fd = libc.syscall(SYS_LANDLOCK_CREATE, attr, ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if fd < 0:
+        return None, []
+    read_file, read_dir, write_file, truncate = 4, 8, 2, 1 << 14
+    file_rw = read_file | write_file | (truncate if abi >= 3 else 0)
+
+    def allow(path, access):
+        try:
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return
+        rule = ctypes.create_string_buffer(struct.pack("<Qi", access, pfd), 12)
+        libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(1), rule, ctypes.c_uint32(0))
+        os.close(pfd)
+
+    for path in read_dirs:
+        allow(path, read_file | read_dir)
+    for path in read_files:
+        allow(path, read_file)
+    for path in rw_dirs:
+        allow(path, fs_all)
+    for path in rw_files:
+        allow(path, file_rw)
+    layers = ["landlock_fs"]
+    if net:
+        layers.append("landlock_net")
+    if scoped:
+        layers.append("landlock_signal")
+    return fd, layers
+
+
+class State:
+    pass
+
+
+def isolate(cfg):
+    st = State()
+    st.uid = st.gid = None
+    st.seq = 0
+    st.pidns = False
+    layers = ["process_group", "rlimits", "temp_dir"]
+    is_root = os.geteuid() == 0
+    flags = try_unshare(is_root) if cfg["namespaces"] else 0
+    if flags & CLONE_NEWUSER:
+        layers.append("user_namespace")
+    if flags & CLONE_NEWNET:
+        layers.append("net_namespace")
+    if flags & CLONE_NEWPID:
+        # The next child becomes pid 1 of the new namespace: make it the server.
+        pid = os.fork()
+        if pid:
+            _, status = os.waitpid(pid, 0)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        st.pidns = True
+        layers.append("pid_namespace")
+    if flags & CLONE_NEWNS and remount_all_read_only():
+        if not mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                     "size=%dm,mode=0711" % cfg["tmpfs_mb"]):
+            raise OSError("cannot mount a tmpfs on /tmp after making / read-only")
+        st.work_root = "/tmp"
+        layers.append("mount_namespace")
+        if st.pidns:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    else:
+        st.work_root = tempfile.mkdtemp(prefix="populora-sandbox-")
+        os.chmod(st.work_root, 0o711)
+    if not st.pidns:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        layers.append("subreaper")
+    if is_root and cfg["uid"] is not None:
+        st.uid, st.gid = cfg["uid"], cfg["gid"]
+        layers.append("unprivileged_uid")
+    layers.append("no_new_privs")
+    prefixes = sorted({sys.base_prefix, sys.prefix, sys.exec_prefix} | {p for p in sys.path if p})
+    st.landlock_fd, ll_layers = (None, [])
+    if cfg["landlock"]:
+        st.landlock_fd, ll_layers = landlock_ruleset(
+            read_dirs=prefixes + ["/usr/lib", "/usr/lib64", "/lib", "/lib64"],
+            read_files=["/dev/urandom", "/dev/zero"],
+            rw_dirs=[st.work_root],
+            rw_files=["/dev/null"])
+    layers += ll_layers
+    st.layers = layers
+    st.cfg = cfg
+    return st
+
+
+# ---------------------------------------------------------------- the child --
+
+class Reject(Exception):
+    def __init__(self, status, reason):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def describe(exc):
+    try:
+        text = "%s: %s" % (type(exc).__name__, exc)
+    except BaseException:
+        text = type(exc).__name__
+    return text[:REASON_CHARS]
+
+
+def check_program(tree):
+    """AST filter for honest mistakes; the OS layers are the boundary."""
+    funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    if len(funcs) != 1:
+        raise Reject("invalid_program", "expected exactly one top-level function, found %d" % len(funcs))
+    for node in tree.body:
+        if not isinstance(node, TOP_LEVEL_ALLOWED):
+            raise Reject("invalid_program", "top-level %s statement (line %d)" % (type(node).__name__, node.lineno))
+        if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Constant):
+            raise Reject("invalid_program", "top-level expression (line %d)" % node.lineno)
+    check_names(tree)
+    return funcs[0].name
+
+
+def check_names(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "input":
+            raise Reject("uses_input", "calls input() (line %d)" % node.lineno)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    raise Reject("banned_import", "relative import (line %d)" % node.lineno)
+                names = [node.module or ""]
+            else:
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[0] in BANNED_MODULES:
+                    raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
+        elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
+            raise Reject("banned_name", "uses %s (line %d)" % (node.id, node.lineno))
+        elif isinstance(node, ast.Attribute):
+            attr = node.attr
+            dunder = attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS
+            if dunder or attr in BANNED_ATTRS:
+                raise Reject("banned_name", "uses attribute .%s (line %d)" % (attr, node.lineno))
+        elif isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith)):
+            raise Reject("invalid_program", "async code (line %d)" % node.lineno)
+
+
+def features_of(tree):
+    """Complexity features for the dynamics plots."""
+    count, depth, kinds, decisions = 0, 0, set(), 0
+    stack = [(tree, 1)]
+    while stack:
+        node, d = stack.pop()
+        count += 1
+        depth = max(depth, d)
+        kinds.add(type(node).__name__)
+        if isinstance(node, (ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHandler,
+                             ast.Assert, ast.match_case)):
+            decisions += 1
+        elif isinstance(node, ast.comprehension):
+            decisions += 1 + len(node.ifs)
+        elif isinstance(node, ast.BoolOp):
+            decisions += len(node.values) - 1
+        stack.extend((c, d + 1) for c in ast.iter_child_nodes(node))
+    return {"ast_nodes": count, "max_depth": depth, "node_types": len(kinds),
+            "cyclomatic": 1 + decisions}
+
+
+class ArgCapture:
+    """Turns an input string, written as the text between the parentheses of a
+    call, into fresh (args, kwargs) for every run: `"Hi"` is one argument,
+    `[1, 2], 3` two, `(1, 2)` one tuple."""
+
+    def __init__(self, text):
+        try:
+            call = ast.parse("_(\n" + text + "\n)", mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+            raise Reject("bad_input", "input does not parse as arguments: %s" % describe(exc))
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_"):
+            raise Reject("bad_input", "input is not an argument list")
+        self.call = call
+        self.code = None
+        try:
+            self.fresh()
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, AttributeError):
+            check_names(call)
+            self.code = compile(ast.Expression(call), "<input>", "eval")
+
+    def fresh(self):
+        if self.code is not None:
+            return eval(self.code, {"_": lambda *a, **k: (a, k)})
+        args = [ast.literal_eval(a) for a in self.call.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in self.call.keywords}
+        if any(k is None for k in kwargs):
+            raise ValueError("** in input")
+        return args, kwargs
+
+
+def run_calls(code, name, calls):
+    """Execute the program in a fresh namespace and call its function on every
+    input. Returns the truncated reprs."""
+    namespace = {"__name__": "__sandbox__", "__builtins__": builtins}
+    exec(code, namespace)
+    fn = namespace.get(name)
+    if not callable(fn):
+        raise Reject("invalid_program", "no function named %s" % name)
+    namespace["f"] = fn
+    outputs = []
+    for capture in calls:
+        try:
+            args, kwargs = capture.fresh()
+        except Reject:
+            raise
+        except BaseException as exc:
+            raise Reject("bad_input", "input failed to evaluate: %s" % describe(exc))
+        outputs.append(repr(fn(*args, **kwargs))[:OUTPUT_CHARS])
+    return outputs
+
+
+def job_program(job):
+    try:
+        tree = ast.parse(job["program"], mode="exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise Reject("syntax_error", describe(exc))
+    if job["checks"]:
+        name = check_program(tree)
+    else:
+        name = job.get("entry_point") or "f"
+    features = features_of(tree)
+    code = compile(tree, "<program>", "exec")
+    calls = [ArgCapture(text) for text in job["inputs"]]
+    first = run_calls(code, name, calls)
+    if job["runs"] > 1:
+        # Keep the first run's objects alive and shift the allocator so an
+        # address-dependent repr cannot repeat by reusing freed memory.
+        padding = [object() for _ in range(97)] + [[] for _ in range(31)]
+        second = run_calls(code, name, calls)
+        del padding
+        for i, (a, b) in enumerate(zip(first, second)):
+            if a != b:
+                raise Reject("non_deterministic", "input %d: first run %s, second run %s" % (i, a[:120], b[:120]))
+    return {"status": "ok", "outputs": first, "function": name, "features": features}
+
+
+def same_value(a, b):
+    a, b = a.strip(), b.strip()
+    if a == b:
+        return True
+    try:
+        return bool(ast.literal_eval(a) == ast.literal_eval(b))
+    except Exception:
+        return False
+
+
+def job_compare(job):
+    return {"status": "ok", "equal": [same_value(a, b) for a, b in job["pairs"]]}
+
+
+def job_humaneval(job):
+    namespace = {"__name__": "__sandbox__", "__builtins__": builtins}
+    try:
+        program = compile(job["program"], "<program>", "exec")
+        test = compile(job["test"], "<test>", "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise Reject("syntax_error", describe(exc))
+    exec(program, namespace)
+    exec(test, namespace)
+    candidate = namespace.get(job["entry_point"])
+    check = namespace.get("check")
+    if candidate is None or check is None:
+        raise Reject("invalid_program", "missing %s or check" % job["entry_point"])
+    try:
+        check(candidate)
+    except AssertionError as exc:
+        raise Reject("mismatch", describe(exc) or "AssertionError")
+    return {"status": "ok"}
+
+
+JOBS = {"program": job_program, "compare": job_compare, "humaneval": job_humaneval}
+
+
+def run_job(job):
+    try:
+        return JOBS[job["kind"]](job)
+    except Reject as rej:
+        return {"status": rej.status, "reason": rej.reason}
+    except MemoryError:
+        return {"status": "memory_limit", "reason": "MemoryError"}
+    except BaseException as exc:
+        return {"status": "runtime_error", "reason": describe(exc)}
+
+
+def close_all_except(keep):
+    low = 0
+    for fd in sorted(keep) + [1 << 20]:
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+
+
+def child_main(st, job, limits, work, out_w, err_w, res_w):
+    child_pid = os.getpid()
+    os.setpgid(0, 0)
+    if not st.pidns:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    keep = {0, 1, 2, res_w}
+    if st.landlock_fd is not None:
+        keep.add(st.landlock_fd)
+    close_all_except(keep)
+    os.chdir(work)
+    os.umask(0o077)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    cpu = max(1, -(-limits["timeout_ms"] // 1000))
+    mem = limits["memory_mb"] << 20
+    for res, soft, hard in ((resource.RLIMIT_AS, mem, mem),
+                            (resource.RLIMIT_CPU, cpu, cpu + 1),
+                            (resource.RLIMIT_FSIZE, limits["file_bytes"], limits["file_bytes"]),
+                            (resource.RLIMIT_NOFILE, limits["open_files"], limits["open_files"]),
+                            (resource.RLIMIT_CORE, 0, 0),
+                            (resource.RLIMIT_NPROC, limits["processes"], limits["processes"])):
+        resource.setrlimit(res, (soft, hard))
+    if st.uid is not None:
+        os.setgroups([])
+        os.setresgid(st.gid, st.gid, st.gid)
+        os.setresuid(st.uid, st.uid, st.uid)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if st.landlock_fd is not None:
+        if libc.syscall(SYS_LANDLOCK_RESTRICT, ctypes.c_int(st.landlock_fd), ctypes.c_uint32(0)) != 0:
+            os._exit(71)
+        os.close(st.landlock_fd)
+    result = run_job(job)
+    if os.getpid() != child_pid:
+        os._exit(0)  # a process the program forked: only the child itself reports
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    data = json.dumps(result).encode()
+    while data:
+        data = data[os.write(res_w, data):]
+    os._exit(0)
+
+
+# ------------------------------------------------------------- supervision --
+
+def kill_descendants(st, pid):
+    """SIGKILL everything the child left behind and reap it all. Returns the
+    child's wait status."""
+    status = None
+    if st.pidns:
+        # pid 1 of the namespace: kill(-1) reaches every other process in it.
+        while True:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                p, s = os.waitpid(-1, 0)
+            except ChildProcessError:
+                return status
+            if p == pid:
+                status = s
+    children_file = "/proc/self/task/%d/children" % os.getpid()
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    while True:
+        # As a subreaper, orphans that escaped the process group come back to us.
+        with open(children_file) as fh:
+            pids = [int(p) for p in fh.read().split()]
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            p, s = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return status
+        if p == pid:
+            status = s
+
+
+def drain(fd, buf, cap):
+    os.set_blocking(fd, False)
+    try:
+        while len(buf) <= cap:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+    except BlockingIOError:
+        pass
+
+
+def handle(st, req):
+    job, limits = req["job"], req["limits"]
+    st.seq += 1
+    work = os.path.join(st.work_root, "j%d" % st.seq)
+    os.mkdir(work, 0o700)
+    if st.uid is not None:
+        os.chown(work, st.uid, st.gid)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    res_r, res_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child_main(st, job, limits, work, out_w, err_w, res_w)
+        finally:
+            os._exit(70)
+    for fd in (out_w, err_w, res_w):
+        os.close(fd)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    pidfd = os.pidfd_open(pid)
+    bufs = {out_r: bytearray(), err_r: bytearray(), res_r: bytearray()}
+    caps = {out_r: limits["output_bytes"], err_r: limits["output_bytes"], res_r: RESULT_CAP}
+    open_fds = set(bufs)
+    deadline = start + limits["timeout_ms"] / 1000.0
+    verdict, exited = None, False
+    while not exited and verdict is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            verdict = ("timeout", "wall-clock limit of %d ms exceeded" % limits["timeout_ms"])
+            break
+        ready, _, _ = select.select(list(open_fds) + [pidfd], [], [], remaining)
+        for fd in ready:
+            if fd == pidfd:
+                exited = True
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+                continue
+            bufs[fd] += chunk
+            if len(bufs[fd]) > caps[fd]:
+                verdict = ("output_limit", "output exceeded %d bytes" % caps[fd])
+    wall_ms = (time.monotonic() - start) * 1000.0
+    if exited and verdict is None:
+        for fd in open_fds:
+            drain(fd, bufs[fd], caps[fd])
+    status = kill_descendants(st, pid)
+    for fd in (out_r, err_r, res_r, pidfd):
+        os.close(fd)
+    shutil.rmtree(work, ignore_errors=True)
+    reply = settle(verdict, status, bytes(bufs[res_r]), bufs[err_r])
+    reply["wall_ms"] = wall_ms
+    reply["stdout"] = bufs[out_r][:STDOUT_CHARS].decode("utf-8", "replace")
+    return reply
+
+
+STATUSES = frozenset((
+    "ok", "syntax_error", "invalid_program", "uses_input", "banned_import",
+    "banned_name", "bad_input", "runtime_error", "timeout", "memory_limit",
+    "output_limit", "non_deterministic", "mismatch", "crashed",
+))
+FEATURES = ("ast_nodes", "max_depth", "node_types", "cyclomatic")
+
+
+def well_formed(result):
+    """The child's result, or None unless every field has the expected type:
+    the child runs hostile code and could have written anything."""
+    try:
+        raw = json.loads(result)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or raw.get("status") not in STATUSES:
+        return None
+    reply = {"status": raw["status"]}
+    checks = {
+        "reason": lambda v: isinstance(v, str),
+        "function": lambda v: isinstance(v, str),
+        "outputs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "equal": lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v),
+        "features": lambda v: isinstance(v, dict) and sorted(v) == sorted(FEATURES)
+        and all(type(v[k]) is int and v[k] >= 0 for k in FEATURES),
+    }
+    for key, ok in checks.items():
+        if key in raw:
+            if not ok(raw[key]):
+                return None
+            reply[key] = raw[key]
+    return reply
+
+
+def settle(verdict, status, result, stderr):
+    if verdict is not None:
+        return {"status": verdict[0], "reason": verdict[1]}
+    if result:
+        reply = well_formed(result)
+        if reply is not None:
+            return reply
+        return {"status": "crashed", "reason": "malformed result from the child"}
+    tail = stderr[-REASON_CHARS:].decode("utf-8", "replace").strip()
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU:
+            return {"status": "timeout", "reason": "CPU time limit exceeded"}
+        return {"status": "crashed", "reason": "killed by %s %s" % (signal.Signals(sig).name, tail)}
+    code = os.waitstatus_to_exitcode(status) if status is not None else -1
+    return {"status": "crashed", "reason": "exited with code %d without a result %s" % (code, tail)}
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    # The protocol moves to private descriptors; 0 and 1 become /dev/null so no
+    # inherited descriptor of a child can write into the protocol.
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    os.set_inheritable(proto_in, False)
+    os.set_inheritable(proto_out, False)
+    for name in PRELOAD:
+        __import__(name)
+    try:
+        st = isolate(cfg)
+    except OSError as exc:
+        write_msg(proto_out, {"fatal": describe(exc)})
+        return
+    gc.collect()
+    gc.freeze()
+    write_msg(proto_out, {"hello": True, "layers": st.layers})
+    while True:
+        req = read_msg(proto_in)
+        if req is None:
+            break
+        try:
+            reply = handle(st, req)
+        except Exception as exc:
+            reply = {"error": describe(exc)}
+        write_msg(proto_out, reply)
+    if "mount_namespace" not in st.layers:
+        shutil.rmtree(st.work_root, ignore_errors=True)
+
+
+main()

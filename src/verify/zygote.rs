@@ -1,0 +1,242 @@
+//! One warm Python zygote process and its length-prefixed JSON protocol.
+
+use super::{Error, Features, Layer, Limits, SandboxConfig, Status};
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The fork server's source, passed with `-c`.
+const ZYGOTE_PY: &str = include_str!("zygote.py");
+/// Time a zygote may take to import, isolate itself and say hello.
+const STARTUP_MS: u64 = 20_000;
+/// Slack on top of a job's own timeout for forking, reaping and replying.
+const REPLY_SLACK_MS: u64 = 5_000;
+/// Largest reply we accept from a zygote.
+const MAX_REPLY_BYTES: usize = 8 << 20;
+/// How long a zygote may take to exit after its pipe closes before it is killed.
+const EXIT_GRACE_MS: u64 = 500;
+
+/// A job as the zygote understands it.
+#[derive(Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub(crate) enum Request<'a> {
+    /// Run a program's function on inputs; `checks` applies the AST filter,
+    /// `runs: 2` checks determinism.
+    Program {
+        program: &'a str,
+        inputs: Vec<&'a str>,
+        checks: bool,
+        runs: u32,
+    },
+    /// Literal equality of (a, b) reprs, in a clean child.
+    Compare { pairs: Vec<[&'a str; 2]> },
+    Humaneval {
+        program: &'a str,
+        test: &'a str,
+        entry_point: &'a str,
+    },
+}
+
+/// What a zygote answers for one job.
+#[derive(Debug, Deserialize)]
+pub(crate) struct Reply {
+    pub status: Status,
+    #[serde(default)]
+    pub reason: String,
+    #[serde(default)]
+    pub outputs: Vec<String>,
+    #[serde(default)]
+    pub equal: Vec<bool>,
+    pub features: Option<Features>,
+    pub function: Option<String>,
+    #[serde(default)]
+    pub wall_ms: f64,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    job: &'a Request<'a>,
+    limits: &'a Limits,
+}
+
+#[derive(Serialize)]
+struct ZygoteConfig {
+    namespaces: bool,
+    landlock: bool,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    tmpfs_mb: u64,
+}
+
+pub(crate) struct Zygote {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: ChildStdout,
+    pub layers: Vec<Layer>,
+}
+
+impl Zygote {
+    pub fn start(config: &SandboxConfig) -> Result<Zygote, Error> {
+        let zygote_config = ZygoteConfig {
+            namespaces: config.namespaces,
+            landlock: config.landlock,
+            uid: Some(config.unprivileged_uid),
+            gid: Some(config.unprivileged_gid),
+            tmpfs_mb: config.tmpfs_mb,
+        };
+        let config_json = serde_json::to_string(&zygote_config)
+            .map_err(|e| Error::Config(format!("cannot encode the zygote configuration: {e}")))?;
+        // No -I: it would ignore PYTHONHASHSEED, and a fixed hash seed keeps set
+        // order (and so outputs) independent of which worker ran a program. The
+        // empty environment plus -S -s gives the same isolation.
+        let mut child = Command::new(&config.python)
+            .args(["-S", "-s", "-B", "-c", ZYGOTE_PY, &config_json])
+            .env_clear()
+            .env("PYTHONHASHSEED", "0")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                python: config.python.clone(),
+                source,
+            })?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(Error::Protocol("zygote pipes missing".into()));
+        };
+        let mut zygote = Zygote {
+            child,
+            stdin: Some(stdin),
+            stdout,
+            layers: Vec::new(),
+        };
+        let hello = zygote.receive(
+            Instant::now() + Duration::from_millis(STARTUP_MS),
+            STARTUP_MS,
+        )?;
+        if let Some(fatal) = hello.get("fatal").and_then(|v| v.as_str()) {
+            return Err(Error::Refused(fatal.to_string()));
+        }
+        let layers = hello
+            .get("layers")
+            .cloned()
+            .ok_or_else(|| Error::Protocol(format!("hello without layers: {hello}")))?;
+        zygote.layers = serde_json::from_value(layers)
+            .map_err(|e| Error::Protocol(format!("unknown layer in hello: {e}")))?;
+        Ok(zygote)
+    }
+
+    /// Run one job. An `Err` means the zygote itself failed and must be replaced.
+    pub fn call(&mut self, job: &Request, limits: &Limits) -> Result<Reply, Error> {
+        let body = serde_json::to_vec(&Envelope { job, limits })
+            .map_err(|e| Error::Protocol(format!("cannot encode a request: {e}")))?;
+        let len = u32::try_from(body.len())
+            .map_err(|_| Error::Protocol(format!("request of {} bytes", body.len())))?;
+        let stdin = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| Error::Exited("stdin closed".into()))?;
+        let mut frame = Vec::with_capacity(body.len() + 4);
+        frame.extend_from_slice(&len.to_be_bytes());
+        frame.extend_from_slice(&body);
+        if let Err(e) = stdin.write_all(&frame).and_then(|_| stdin.flush()) {
+            return Err(self.exit_error().unwrap_or(Error::Io(e)));
+        }
+        let budget_ms = limits.timeout_ms + REPLY_SLACK_MS;
+        let value = self.receive(Instant::now() + Duration::from_millis(budget_ms), budget_ms)?;
+        if let Some(message) = value.get("error").and_then(|v| v.as_str()) {
+            return Err(Error::Job(message.to_string()));
+        }
+        serde_json::from_value(value).map_err(|e| Error::Protocol(format!("bad reply: {e}")))
+    }
+
+    fn receive(&mut self, deadline: Instant, budget_ms: u64) -> Result<serde_json::Value, Error> {
+        let mut head = [0u8; 4];
+        self.read_exact_by(&mut head, deadline, budget_ms)?;
+        let len = u32::from_be_bytes(head) as usize;
+        if len > MAX_REPLY_BYTES {
+            return Err(Error::Protocol(format!(
+                "reply of {len} bytes exceeds {MAX_REPLY_BYTES}"
+            )));
+        }
+        let mut body = vec![0u8; len];
+        self.read_exact_by(&mut body, deadline, budget_ms)?;
+        serde_json::from_slice(&body)
+            .map_err(|e| Error::Protocol(format!("reply is not JSON: {e}")))
+    }
+
+    fn read_exact_by(
+        &mut self,
+        buf: &mut [u8],
+        deadline: Instant,
+        budget_ms: u64,
+    ) -> Result<(), Error> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !wait_readable(&self.stdout, left)? {
+                return Err(Error::Unresponsive(budget_ms));
+            }
+            match self.stdout.read(&mut buf[filled..]) {
+                Ok(0) => {
+                    return Err(self
+                        .exit_error()
+                        .unwrap_or(Error::Exited("end of output".into())))
+                }
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::Io(e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn exit_error(&mut self) -> Option<Error> {
+        std::thread::sleep(Duration::from_millis(10));
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(Error::Exited(status.to_string())),
+            _ => None,
+        }
+    }
+}
+
+/// poll(2) for readability; false on timeout.
+fn wait_readable(stdout: &ChildStdout, timeout: Duration) -> Result<bool, Error> {
+    let mut fds = libc::pollfd {
+        fd: stdout.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+    loop {
+        // SAFETY: one valid pollfd that lives across the call.
+        let rc = unsafe { libc::poll(&mut fds, 1, ms) };
+        if rc >= 0 {
+            return Ok(rc > 0);
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::Io(err));
+        }
+    }
+}
+
+impl Drop for Zygote {
+    /// Closing stdin lets the zygote exit cleanly (removing its work dir);
+    /// SIGKILL after a grace period. Its pid-namespace init dies with it, which
+    /// kills every process left in the namespace.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + Duration::from_millis(EXIT_GRACE_MS);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

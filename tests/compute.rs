@@ -1,0 +1,236 @@
+//! The multi-adapter engine: rows in a mixed batch equal single-adapter passes,
+//! generation does not depend on batch neighbours, and gradients of the PPO
+//! loss reach every LoRA factor of every adapter (finite differences in f64).
+
+use candle_core::{DType, Device, Tensor, Var};
+use populora::base::tiny::{self, TinySpec};
+use populora::base::{Llama, Logits, NoLora, Positions};
+use populora::compute::{self, AdapterSet, GenRequest, RowAdapters, Sampling, ScoreRow, TrainConfig, TrainRow};
+use populora::keyed_stream;
+use populora::lora::{Adapter, LoraConfig, LoraModule};
+use rand::Rng;
+
+fn tiny_model() -> Llama {
+    tiny::build(&TinySpec::default()).unwrap().0
+}
+
+/// An adapter with random (non-zero) A and B, in `dtype`.
+fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
+    let config = LoraConfig { rank: 2, alpha: 4.0, ..LoraConfig::default() };
+    let mut rng = keyed_stream!(seed, "adapter");
+    let mut adapter = Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap();
+    for m in adapter.modules.values_mut() {
+        let random = |t: &Tensor, rng: &mut rand_chacha::ChaCha12Rng| {
+            let v: Vec<f32> = (0..t.elem_count()).map(|_| rng.random_range(-0.3f32..0.3)).collect();
+            Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+        };
+        let (a, b) = (random(m.a.as_tensor(), &mut rng), random(m.b.as_tensor(), &mut rng));
+        *m = LoraModule { a: Var::from_tensor(&a).unwrap(), b: Var::from_tensor(&b).unwrap() };
+    }
+    adapter
+}
+
+fn last_logits(model: &Llama, set: &AdapterSet, rows: &[(Option<u64>, Vec<u32>)]) -> Vec<Vec<f32>> {
+    let width = rows.iter().map(|r| r.1.len()).max().unwrap();
+    let pads: Vec<usize> = rows.iter().map(|r| width - r.1.len()).collect();
+    let flat: Vec<u32> = rows
+        .iter()
+        .flat_map(|r| std::iter::repeat_n(0, width - r.1.len()).chain(r.1.iter().copied()))
+        .collect();
+    let tokens = Tensor::from_vec(flat, (rows.len(), width), &Device::Cpu).unwrap();
+    let at = Positions::left_padded(&pads, 0, width, &Device::Cpu).unwrap();
+    let ids: Vec<_> = rows.iter().map(|r| r.0).collect();
+    let hook = RowAdapters::new(set, &ids).unwrap();
+    let out = model.forward(&tokens, &at, None, &hook, Logits::Last).unwrap();
+    out.squeeze(1).unwrap().to_vec2::<f32>().unwrap()
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    let diff: f32 = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let scale: f32 = b.iter().map(|x| x.abs()).fold(0.0, f32::max);
+    diff / scale.max(1e-12)
+}
+
+#[test]
+fn a_fresh_adapter_leaves_the_base_unchanged() {
+    let model = tiny_model();
+    let fresh = Adapter::new(LoraConfig::default(), &model.config, &mut keyed_stream!(1, "a"), &Device::Cpu).unwrap();
+    let set = AdapterSet::new().with(1, &fresh);
+    let rows = vec![(Some(1), vec![3, 4, 5, 6])];
+    let base_rows = vec![(None, vec![3, 4, 5, 6])];
+    assert_eq!(last_logits(&model, &set, &rows), last_logits(&model, &set, &base_rows));
+}
+
+#[test]
+fn mixed_adapter_batch_rows_equal_single_adapter_passes() {
+    let model = tiny_model();
+    let adapters: Vec<Adapter> = (0..3).map(|s| random_adapter(&model, s, DType::F32)).collect();
+    let mut set = AdapterSet::new();
+    for (i, a) in adapters.iter().enumerate() {
+        set = set.with(i as u64, a);
+    }
+    let rows = vec![
+        (Some(0), vec![1, 2, 3, 4, 5]),
+        (Some(0), vec![9, 8]),
+        (None, vec![7, 7, 7]),
+        (Some(1), vec![4, 5, 6, 7, 8, 9]),
+        (Some(2), vec![11, 12, 13]),
+        (Some(2), vec![14]),
+    ];
+    let mixed = last_logits(&model, &set, &rows);
+    for (i, row) in rows.iter().enumerate() {
+        let alone = last_logits(&model, &set, std::slice::from_ref(row));
+        let e = rel_err(&mixed[i], &alone[0]);
+        assert!(e <= 1e-5, "row {i}: relative error {e}");
+    }
+    // The adapters really change the output.
+    let plain = last_logits(&model, &set, &[(None, rows[0].1.clone())]);
+    assert!(rel_err(&mixed[0], &plain[0]) > 1e-3);
+}
+
+fn request(adapter: Option<u64>, prompt: Vec<u32>, sampling: Sampling, seed: u64) -> GenRequest {
+    GenRequest { adapter, prompt, max_new_tokens: 12, stop: vec![], sampling, rng: keyed_stream!(seed, "row") }
+}
+
+#[test]
+fn generation_of_a_row_does_not_depend_on_its_batch() {
+    let model = tiny_model();
+    let adapters: Vec<Adapter> = (0..2).map(|s| random_adapter(&model, 10 + s, DType::F32)).collect();
+    let set = AdapterSet::new().with(0, &adapters[0]).with(1, &adapters[1]);
+    let hot = Sampling { temperature: 1.0, top_p: 0.9 };
+    for sampling in [Sampling::GREEDY, hot] {
+        let probe = request(Some(1), vec![5, 6, 7], sampling, 99);
+        let alone = compute::generate(&model, &set, vec![probe.clone()]).unwrap();
+        let mut batch = vec![
+            request(Some(0), vec![1, 2, 3, 4, 5, 6, 7, 8], sampling, 1),
+            request(None, vec![9], sampling, 2),
+            probe,
+            request(Some(1), vec![3, 3], sampling, 3),
+        ];
+        batch[1].max_new_tokens = 3; // leaves the batch early
+        let mixed = compute::generate(&model, &set, batch).unwrap();
+        assert_eq!(alone[0].tokens, mixed[2].tokens, "{sampling:?}");
+        assert_eq!(alone[0].tokens.len(), 12);
+        assert_eq!(mixed[1].tokens.len(), 3);
+    }
+}
+
+#[test]
+fn same_seed_same_sample_different_seed_different_sample() {
+    let model = tiny_model();
+    let set = AdapterSet::new();
+    let hot = Sampling { temperature: 1.5, top_p: 1.0 };
+    let run = |seed| compute::generate(&model, &set, vec![request(None, vec![1, 2], hot, seed)]).unwrap()[0].tokens.clone();
+    assert_eq!(run(5), run(5));
+    assert_ne!(run(5), run(6));
+}
+
+#[test]
+fn logprobs_match_generation_logprobs_and_respect_micro_batching() {
+    let model = tiny_model();
+    let adapter = random_adapter(&model, 20, DType::F32);
+    let set = AdapterSet::new().with(7, &adapter);
+    let gen = compute::generate(&model, &set, vec![request(Some(7), vec![4, 2], Sampling::default(), 1)]).unwrap();
+    let mut tokens = vec![4, 2];
+    tokens.extend(&gen[0].tokens);
+    let row = ScoreRow { adapter: Some(7), tokens: tokens.clone(), score_from: 2 };
+    let many = vec![row.clone(), ScoreRow { adapter: None, tokens: tokens.clone(), score_from: 1 }, row];
+    let big = compute::logprobs(&model, &set, &many, 4096).unwrap();
+    let small = compute::logprobs(&model, &set, &many, 8).unwrap();
+    for (a, b) in big[0].iter().zip(&gen[0].logprobs) {
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+    }
+    assert_eq!(big.len(), 3);
+    assert_eq!(big[1].len(), tokens.len() - 1);
+    for (x, y) in big.iter().flatten().zip(small.iter().flatten()) {
+        assert!((x - y).abs() < 1e-5);
+    }
+}
+
+/// d(PPO loss)/d(A, B) of every target module of two adapters sharing one
+/// batch, analytic vs central finite differences in f64.
+#[test]
+fn train_step_gradients_match_finite_differences_for_every_factor() {
+    let spec = TinySpec { hidden: 16, heads: 4, kv_heads: 2, ffn: 24, vocab: 260, layers: 2, ..TinySpec::default() };
+    let model = tiny::build(&spec).unwrap().0.to_dtype(DType::F64).unwrap();
+    let adapters = [random_adapter(&model, 30, DType::F64), random_adapter(&model, 31, DType::F64)];
+    let set = AdapterSet::new().with(0, &adapters[0]).with(1, &adapters[1]);
+    let mut rng = keyed_stream!(1, "rows");
+    let rows: Vec<TrainRow> = [(0u64, 7usize), (1, 5), (0, 4), (1, 6)]
+        .into_iter()
+        .map(|(adapter, len)| {
+            let tokens: Vec<u32> = (0..len).map(|_| rng.random_range(0..256)).collect();
+            let loss_mask = (0..len).map(|t| t >= 2).collect();
+            let advantages = (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            TrainRow { adapter, tokens, loss_mask, advantages, old_logprobs: vec![0.0; len] }
+        })
+        .collect();
+    // Old log-probs near the current ones, so ratios sit inside the clip range
+    // (away from the kinks of min/clip where finite differences are undefined).
+    let scores: Vec<ScoreRow> = rows
+        .iter()
+        .map(|r| ScoreRow { adapter: Some(r.adapter), tokens: r.tokens.clone(), score_from: 1 })
+        .collect();
+    let current = compute::logprobs(&model, &set, &scores, 4096).unwrap();
+    let rows: Vec<TrainRow> = rows
+        .into_iter()
+        .zip(current)
+        .map(|(mut r, lp)| {
+            r.old_logprobs = std::iter::once(0.0).chain(lp.iter().map(|l| l + 0.05)).collect();
+            r
+        })
+        .collect();
+    let config = TrainConfig { clip: 0.2, token_budget: 16 };
+    let out = compute::train_step(&model, &set, &rows, config).unwrap();
+    assert!(out.micro_batches >= 2, "the check must cover gradient accumulation");
+    let loss = |set: &AdapterSet| -> f64 {
+        let o = compute::train_step(&model, set, &rows, config).unwrap();
+        o.stats.values().map(|s| s.loss).sum()
+    };
+    let eps = 1e-6;
+    for (id, adapter) in adapters.iter().enumerate() {
+        let grads = &out.grads[&(id as u64)];
+        for (key, module) in &adapter.modules {
+            let (ga, gb) = &grads[key];
+            for (var, grad) in [(&module.a, ga), (&module.b, gb)] {
+                let analytic = grad.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                let original = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                // Two entries per factor keep the test fast; every factor is covered.
+                for i in [0, original.len() - 1] {
+                    let shifted = |d: f64| {
+                        let mut v = original.clone();
+                        v[i] += d;
+                        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
+                        let l = loss(&set);
+                        var.set(&Tensor::from_vec(original.clone(), var.dims(), &Device::Cpu).unwrap()).unwrap();
+                        l
+                    };
+                    let numeric = (shifted(eps) - shifted(-eps)) / (2.0 * eps);
+                    let err = (numeric - analytic[i]).abs();
+                    assert!(
+                        err <= 1e-6 + 1e-4 * numeric.abs(),
+                        "adapter {id} layer {} {} entry {i}: numeric {numeric}, analytic {}",
+                        key.layer,
+                        key.target,
+                        analytic[i]
+                    );
+                    assert!(analytic[i] != 0.0, "adapter {id} {key:?}: zero gradient");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_rows_are_errors_not_panics() {
+    let model = tiny_model();
+    let set = AdapterSet::new();
+    let too_long = vec![1u32; model.config.max_position_embeddings];
+    assert!(compute::generate(&model, &set, vec![request(None, too_long, Sampling::GREEDY, 0)]).is_err());
+    assert!(compute::generate(&model, &set, vec![request(None, vec![], Sampling::GREEDY, 0)]).is_err());
+    assert!(compute::generate(&model, &set, vec![request(None, vec![100_000], Sampling::GREEDY, 0)]).is_err());
+    assert!(compute::generate(&model, &set, vec![request(Some(3), vec![1], Sampling::GREEDY, 0)]).is_err());
+    let row = TrainRow { adapter: 0, tokens: vec![1, 2], loss_mask: vec![true, true], advantages: vec![0.0; 2], old_logprobs: vec![0.0; 2] };
+    assert!(compute::train_step(&model, &set, &[row], TrainConfig::default()).is_err());
+    let _ = NoLora;
+}

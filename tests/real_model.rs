@@ -1,0 +1,96 @@
+//! End-to-end checks on the real SmolLM2-135M-Instruct GGUF. The model is
+//! fetched into the cache on first use; if that fails these tests fail loudly
+//! (they never skip).
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, IndexOp, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use populora::base::fetch::DEFAULT_MODEL;
+use populora::base::{BaseModel, Logits, Message, NoLora, Positions};
+use populora::compute::{self, AdapterSet, GenRequest, Sampling};
+use populora::keyed_stream;
+
+fn model_path() -> std::path::PathBuf {
+    DEFAULT_MODEL
+        .ensure(&mut |m| eprintln!("{m}"))
+        .unwrap_or_else(|e| panic!("the real SmolLM2 model is required for this test: {e}"))
+}
+
+/// candle-transformers' quantized_llama with every weight dequantized to f32.
+fn peer(path: &std::path::Path) -> ModelWeights {
+    // Read once per thread by candle, before the first QMatMul is built.
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
+    let path = model_path();
+    let base = BaseModel::load(&path).unwrap();
+    let cfg = base.config();
+    assert_eq!(
+        (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size),
+        (30, 576, 9, 3, 1536, 49152)
+    );
+    assert!(cfg.tie_word_embeddings);
+    assert_eq!(cfg.rope_theta, 100_000.0);
+
+    let prompt = base
+        .tokenizer
+        .encode_chat(&[Message::new("user", "Write a Python function that returns the square of x.")])
+        .unwrap();
+    let mut peer = peer(&path);
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let peer_logits = peer.forward(&input, 0).unwrap().squeeze(0).unwrap();
+
+    let at = Positions::left_padded(&[0], 0, prompt.len(), &Device::Cpu).unwrap();
+    let ours = base.model.forward(&input, &at, None, &NoLora, Logits::Last).unwrap().i((0, 0)).unwrap();
+    let diff = (&ours - &peer_logits).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(diff < 1e-3, "max |logit difference| {diff}");
+
+    // 32 greedy tokens, peer vs ours, with no stop tokens.
+    let mut peer_tokens = Vec::new();
+    let mut logits = peer_logits;
+    let mut pos = prompt.len();
+    for _ in 0..32 {
+        let next = logits.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        peer_tokens.push(next);
+        let x = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        logits = peer.forward(&x, pos).unwrap().squeeze(0).unwrap();
+        pos += 1;
+    }
+    let request = GenRequest {
+        adapter: None,
+        prompt: prompt.clone(),
+        max_new_tokens: 32,
+        stop: vec![],
+        sampling: Sampling::GREEDY,
+        rng: keyed_stream!(0, "test"),
+    };
+    let ours = compute::generate(&base.model, &AdapterSet::new(), vec![request]).unwrap();
+    assert_eq!(ours[0].tokens, peer_tokens);
+    let text = base.tokenizer.decode(&ours[0].tokens).unwrap();
+    assert!(text.contains("def"), "a sensible continuation: {text:?}");
+}
+
+#[test]
+fn smollm2_tokenizer_and_chat_format() {
+    let base = BaseModel::load(&model_path()).unwrap();
+    let tok = &base.tokenizer;
+    assert_eq!(tok.token_to_id("<|im_start|>"), Some(1));
+    assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
+    assert!(tok.stop_ids.contains(&2));
+    let text = "def f(a):\n    return a + 12345  # ünïcode";
+    let ids = tok.encode(text).unwrap();
+    assert_eq!(tok.decode(&ids).unwrap(), text);
+    // SmolLM2 splits numbers into single digits.
+    let digits = tok.encode("12345").unwrap();
+    assert_eq!(digits.len(), 5);
+    let chat = tok.chat.render(&[Message::new("user", "hi")]);
+    assert!(chat.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"), "{chat}");
+    assert!(chat.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
+    let ids = tok.encode(&chat).unwrap();
+    assert_eq!(ids[0], 1, "<|im_start|> is one special token");
+}

@@ -1,0 +1,702 @@
+//! The Python sandbox against honest and hostile programs. Every test takes
+//! `SERIAL` because the process-table checks look for any process running as
+//! the sandbox uid, which a concurrently running pool would also own.
+
+use populora::verify::{Job, Layer, Limits, Outcome, SandboxConfig, Status, VerifierPool};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Timeout for tests: long enough for a loaded 2-core machine, short enough
+/// that the hostile programs that must time out don't slow the suite.
+const TEST_TIMEOUT_MS: u64 = 1500;
+
+fn pool(workers: usize) -> VerifierPool {
+    let config = SandboxConfig {
+        workers,
+        limits: Limits {
+            timeout_ms: TEST_TIMEOUT_MS,
+            ..Limits::default()
+        },
+        ..SandboxConfig::default()
+    };
+    VerifierPool::new(config).expect("start the sandbox pool")
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Pids of processes running as the sandbox's unprivileged uid.
+fn sandbox_processes(uid: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
+            continue;
+        };
+        let real_uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|u| u.parse::<u32>().ok());
+        if real_uid == Some(uid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn assert_no_sandbox_processes(uid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let left = sandbox_processes(uid);
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "processes left behind as uid {uid}: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn proposal(program: &str, input: &str) -> Job {
+    Job::Proposal {
+        program: program.into(),
+        input: input.into(),
+    }
+}
+
+fn humaneval(body: &str, check: &str) -> Job {
+    Job::HumanEval {
+        program: body.into(),
+        test: check.into(),
+        entry_point: "candidate_fn".into(),
+    }
+}
+
+#[test]
+fn valid_proposals_give_the_repr_and_features() {
+    let _guard = serial();
+    let pool = pool(2);
+    let cases = [
+        (
+            "def f(a):\n    return a",
+            "\"Hello world\"",
+            "'Hello world'",
+        ),
+        ("def f(s):\n    return s[::-1]", "'abc'", "'cba'"),
+        ("def f(a, b):\n    return a + [b]", "[1, 2], 3", "[1, 2, 3]"),
+        ("def f(t):\n    return len(t)", "(1, 2, 3)", "3"),
+        ("def f(x, k=2):\n    return x * k", "4, k=3", "12"),
+        (
+            "import math\ndef g(n):\n    return math.factorial(n) if n < 2 else n * g(n - 1)",
+            "5",
+            "120",
+        ),
+        (
+            "def f(n):\n    return list(range(n))",
+            "sum([1, 2])",
+            "[0, 1, 2]",
+        ),
+        (
+            "def f(n):\n    return 'x' * n",
+            "1000",
+            &format!("'{}", "x".repeat(399)),
+        ),
+    ];
+    for (program, input, expected) in cases {
+        let v = pool.validate_proposal(program, input).unwrap();
+        assert_eq!(v.status, Status::Ok, "{program:?} on {input}: {}", v.reason);
+        assert_eq!(
+            v.output.as_deref(),
+            Some(expected),
+            "{program:?} on {input}"
+        );
+        let features = v.features.expect("features with a valid result");
+        assert!(features.ast_nodes >= 5 && features.max_depth >= 3 && features.node_types >= 4);
+    }
+    let v = pool
+        .validate_proposal(
+            "def f(xs):\n    out = 0\n    for x in xs:\n        if x > 0 and x % 2:\n            out += x\n    return out",
+            "[1, 2, 3]",
+        )
+        .unwrap();
+    assert_eq!(v.output.as_deref(), Some("4"));
+    // for + if + `and` = 3 decision points.
+    assert_eq!(v.features.unwrap().cyclomatic, 4);
+    let renamed = pool
+        .validate_proposal("def double(x):\n    return 2 * x", "21")
+        .unwrap();
+    assert_eq!(
+        (renamed.output.as_deref(), renamed.function.as_deref()),
+        (Some("42"), Some("double"))
+    );
+}
+
+#[test]
+fn invalid_proposals_get_typed_reasons() {
+    let _guard = serial();
+    let pool = pool(2);
+    let cases = [
+        ("def f(a)\n    return a", "1", Status::SyntaxError),
+        (
+            "def f(a):\n    return a\ndef g(a):\n    return a",
+            "1",
+            Status::InvalidProgram,
+        ),
+        ("x = 1", "1", Status::InvalidProgram),
+        (
+            "def f(a):\n    return a\nprint(f(1))",
+            "1",
+            Status::InvalidProgram,
+        ),
+        ("def f(a):\n    return input()", "1", Status::UsesInput),
+        (
+            "import random\ndef f(a):\n    return random.random()",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "def f(a):\n    import os\n    return os.getpid()",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "from subprocess import run\ndef f(a):\n    return 1",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "def f(a):\n    import importlib\n    return 1",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "def f(a):\n    return __import__('os').getpid()",
+            "1",
+            Status::BannedName,
+        ),
+        ("def f(a):\n    return eval('1+1')", "1", Status::BannedName),
+        (
+            "def f(a):\n    return open('/etc/passwd').read()",
+            "1",
+            Status::BannedName,
+        ),
+        (
+            "def f(a):\n    return ().__class__.__base__.__subclasses__()",
+            "1",
+            Status::BannedName,
+        ),
+        (
+            "def f(a):\n    return getattr(a, 'real')",
+            "1",
+            Status::BannedName,
+        ),
+        ("def f(a):\n    return a", "1)(2", Status::BadInput),
+        (
+            "def f(a):\n    return a",
+            "1); import os; (2",
+            Status::BadInput,
+        ),
+        (
+            "def f(a):\n    return a",
+            "undefined_name",
+            Status::BadInput,
+        ),
+        ("def f(a):\n    return 1 // a", "0", Status::RuntimeError),
+        ("def f(n):\n    return f(n + 1)", "0", Status::RuntimeError),
+        (
+            "def f(a):\n    return id(object())",
+            "1",
+            Status::NonDeterministic,
+        ),
+        (
+            "def f(a):\n    return repr(object())",
+            "1",
+            Status::NonDeterministic,
+        ),
+        (
+            "def f(a):\n    while True:\n        pass",
+            "1",
+            Status::Timeout,
+        ),
+        (
+            "def f(a):\n    return bytearray(1 << 31)",
+            "1",
+            Status::MemoryLimit,
+        ),
+    ];
+    let jobs: Vec<Job> = cases.iter().map(|(p, i, _)| proposal(p, i)).collect();
+    for ((program, input, expected), result) in cases.iter().zip(pool.batch(&jobs)) {
+        let Outcome::Proposal(v) = result.unwrap() else {
+            panic!("proposal outcome")
+        };
+        assert_eq!(v.status, *expected, "{program:?} on {input}: {}", v.reason);
+        assert!(
+            v.output.is_none() && !v.reason.is_empty(),
+            "{program:?}: {v:?}"
+        );
+    }
+    let huge = "def f(a):\n    return a\n".to_string() + &"# pad\n".repeat(20_000);
+    assert_eq!(
+        pool.validate_proposal(&huge, "1").unwrap().status,
+        Status::InvalidProgram
+    );
+}
+
+#[test]
+fn answers_are_checked_in_the_sandbox() {
+    let _guard = serial();
+    let pool = pool(2);
+    // Deduction: literal equality, not string equality.
+    assert!(pool.check_output("[1,2]", "[1, 2]").unwrap().passed());
+    assert!(pool.check_output("\"a\"", "'a'").unwrap().passed());
+    assert!(pool
+        .check_output(" {'b': 2, 'a': 1} ", "{'a': 1, 'b': 2}")
+        .unwrap()
+        .passed());
+    assert_eq!(
+        pool.check_output("[1, 3]", "[1, 2]").unwrap().status,
+        Status::Mismatch
+    );
+    assert_eq!(
+        pool.check_output("__import__('os')", "0").unwrap().status,
+        Status::Mismatch
+    );
+    // Abduction: f(pred) == gold.
+    let program = "def f(a, b):\n    return sorted(a)[b]";
+    assert!(pool
+        .check_input(program, "[3, 1, 2], 0", "1")
+        .unwrap()
+        .passed());
+    assert_eq!(
+        pool.check_input(program, "[3, 1, 2], 1", "1")
+            .unwrap()
+            .status,
+        Status::Mismatch
+    );
+    assert_eq!(
+        pool.check_input(program, "[3], 5", "1").unwrap().status,
+        Status::RuntimeError
+    );
+    // Induction: all hidden pairs must pass.
+    let pairs: Vec<(String, String)> = [("1", "2"), ("5", "10"), ("'ab'", "'abab'")]
+        .iter()
+        .map(|(i, o)| (i.to_string(), o.to_string()))
+        .collect();
+    assert!(pool
+        .check_induction("def f(x):\n    return x * 2", &pairs)
+        .unwrap()
+        .passed());
+    let wrong = pool
+        .check_induction("def f(x):\n    return x + x if x != 5 else 0", &pairs)
+        .unwrap();
+    assert_eq!(wrong.status, Status::Mismatch);
+    assert!(wrong.reason.contains("pair 1"), "{}", wrong.reason);
+    let banned = pool
+        .check_induction("import os\ndef f(x):\n    return x * 2", &pairs)
+        .unwrap();
+    assert_eq!(banned.status, Status::BannedImport);
+    // HumanEval.
+    let test = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n";
+    let add = "def add(a, b):\n    return a + b";
+    assert!(pool.run_humaneval(add, test, "add").unwrap().passed());
+    let sub = "def add(a, b):\n    return a - b";
+    assert_eq!(
+        pool.run_humaneval(sub, test, "add").unwrap().status,
+        Status::Mismatch
+    );
+    let broken = "def add(a, b):\n    return a + None";
+    assert_eq!(
+        pool.run_humaneval(broken, test, "add").unwrap().status,
+        Status::RuntimeError
+    );
+}
+
+#[test]
+fn outputs_do_not_depend_on_the_worker() {
+    let _guard = serial();
+    let pool = pool(2);
+    // Set order depends on the string hash seed; every zygote must share it.
+    let program = "def f(a):\n    return list({'apple', 'banana', 'cherry', 'date', a})";
+    let jobs: Vec<Job> = (0..40).map(|_| proposal(program, "'elder'")).collect();
+    let outputs: Vec<String> = pool
+        .batch(&jobs)
+        .into_iter()
+        .map(|r| match r.unwrap() {
+            Outcome::Proposal(v) => v.output.expect("valid"),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(outputs.iter().all(|o| o == &outputs[0]), "{outputs:?}");
+    let fresh = VerifierPool::new(SandboxConfig {
+        workers: 1,
+        ..SandboxConfig::default()
+    })
+    .unwrap();
+    assert_eq!(
+        fresh
+            .validate_proposal(program, "'elder'")
+            .unwrap()
+            .output
+            .as_ref(),
+        Some(&outputs[0])
+    );
+}
+
+#[test]
+fn isolation_layers_are_active_as_root() {
+    let _guard = serial();
+    let pool = pool(1);
+    let layers = pool.layers();
+    for layer in [
+        Layer::ProcessGroup,
+        Layer::Rlimits,
+        Layer::TempDir,
+        Layer::NoNewPrivs,
+    ] {
+        assert!(layers.contains(&layer), "{layer:?} missing from {layers:?}");
+    }
+    if is_root() {
+        // Checked on this kind of machine: all of these work as root.
+        for layer in [
+            Layer::MountNamespace,
+            Layer::NetNamespace,
+            Layer::PidNamespace,
+            Layer::UnprivilegedUid,
+            Layer::LandlockFs,
+        ] {
+            assert!(layers.contains(&layer), "{layer:?} missing from {layers:?}");
+        }
+    }
+}
+
+/// Hostile programs run concurrently with honest ones; each is contained with
+/// the right status, the honest ones keep their correct results, nothing is
+/// left in the process table and no file appears outside the temp dirs.
+#[test]
+fn hostile_programs_are_contained() {
+    let _guard = serial();
+    let pool = pool(2);
+    let uid = pool.config().unprivileged_uid;
+    let scratch =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("verify-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let secret = scratch.join("secret.txt");
+    std::fs::write(&secret, "the secret").unwrap();
+    let escapes: Vec<PathBuf> = ["escape-a", "escape-b"]
+        .iter()
+        .map(|n| scratch.join(n))
+        .collect();
+    let shm_escape = Path::new("/dev/shm").join(format!("populora-escape-{}", std::process::id()));
+    let var_tmp_escape =
+        Path::new("/var/tmp").join(format!("populora-escape-{}", std::process::id()));
+    let run_it = "def check(candidate):\n    candidate()\n";
+    let returns_zero = "def check(candidate):\n    assert candidate() == 0\n";
+
+    let hostile: Vec<(&str, Job, &[Status])> = vec![
+        ("infinite loop", proposal("def f(a):\n    while True:\n        a += 1", "1"), &[Status::Timeout]),
+        (
+            "fork bomb",
+            humaneval("import os\ndef candidate_fn():\n    while True:\n        os.fork()", run_it),
+            &[Status::RuntimeError, Status::Timeout],
+        ),
+        (
+            "memory bomb",
+            humaneval("def candidate_fn():\n    return [bytearray(1 << 30) for _ in range(8)]", run_it),
+            &[Status::MemoryLimit],
+        ),
+        (
+            // Touching 512 MiB page by page can outlast the deadline on a loaded machine.
+            "gradual memory bomb",
+            humaneval("def candidate_fn():\n    x = []\n    while True:\n        x.append(bytearray(1 << 24))", run_it),
+            &[Status::MemoryLimit, Status::Timeout],
+        ),
+        (
+            "huge output",
+            humaneval("def candidate_fn():\n    while True:\n        print('x' * 10000)", run_it),
+            &[Status::OutputLimit],
+        ),
+        (
+            "deep recursion, unlimited",
+            humaneval(
+                "import sys\nsys.setrecursionlimit(10**8)\ndef candidate_fn(n=0):\n    return candidate_fn(n + 1)",
+                run_it,
+            ),
+            // CPython 3.11 keeps Python frames off the C stack: this may exhaust memory slowly.
+            &[Status::Crashed, Status::RuntimeError, Status::MemoryLimit, Status::Timeout],
+        ),
+        (
+            "write outside the temp dir",
+            humaneval(
+                &format!(
+                    "def candidate_fn():\n    open({:?}, 'w').write('x')",
+                    escapes[0].display().to_string()
+                ),
+                run_it,
+            ),
+            &[Status::RuntimeError],
+        ),
+        (
+            "write to /dev/shm",
+            humaneval(
+                &format!("def candidate_fn():\n    open({:?}, 'w').write('x')", shm_escape.display().to_string()),
+                run_it,
+            ),
+            &[Status::RuntimeError],
+        ),
+        (
+            "write to /var/tmp",
+            humaneval(
+                &format!("def candidate_fn():\n    open({:?}, 'w').write('x')", var_tmp_escape.display().to_string()),
+                run_it,
+            ),
+            &[Status::RuntimeError],
+        ),
+        (
+            "read a file outside the temp dir",
+            humaneval(
+                &format!("def candidate_fn():\n    return open({:?}).read()", secret.display().to_string()),
+                run_it,
+            ),
+            &[Status::RuntimeError],
+        ),
+        (
+            "read /etc/passwd",
+            humaneval("def candidate_fn():\n    return open('/etc/passwd').read()", run_it),
+            &[Status::RuntimeError],
+        ),
+        (
+            "network connection",
+            humaneval(
+                "import socket\ndef candidate_fn():\n    socket.create_connection(('1.1.1.1', 53), timeout=0.5)",
+                run_it,
+            ),
+            &[Status::RuntimeError],
+        ),
+        (
+            "os.system through an attribute walk",
+            humaneval(
+                &format!(
+                    "def candidate_fn():\n    w = [c for c in ().__class__.__base__.__subclasses__() if c.__name__ == '_wrap_close'][0]\n    return w.__init__.__globals__['system']('echo pwned > {}')",
+                    escapes[1].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
+        ),
+        (
+            "subprocess",
+            humaneval("import subprocess\ndef candidate_fn():\n    subprocess.run(['/bin/true'])", run_it),
+            &[Status::RuntimeError],
+        ),
+        (
+            "ignoring SIGTERM",
+            humaneval(
+                "import signal\ndef candidate_fn():\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    while True:\n        pass",
+                run_it,
+            ),
+            &[Status::Timeout],
+        ),
+        (
+            "sleeping past the deadline",
+            humaneval("import time\ndef candidate_fn():\n    time.sleep(30)", run_it),
+            &[Status::Timeout],
+        ),
+        (
+            "killing the parent",
+            humaneval(
+                "import os, signal\ndef candidate_fn():\n    os.kill(os.getppid(), signal.SIGKILL)\n    os.kill(-1, signal.SIGKILL)\n    return 0",
+                returns_zero,
+            ),
+            &[Status::Ok, Status::RuntimeError],
+        ),
+        (
+            "segfault",
+            humaneval("import ctypes\ndef candidate_fn():\n    return ctypes.string_at(0)", run_it),
+            &[Status::Crashed],
+        ),
+        (
+            "escaped process group",
+            humaneval(
+                "import os, time\ndef candidate_fn():\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(60)\n    return 0",
+                returns_zero,
+            ),
+            &[Status::Ok],
+        ),
+        (
+            "non-deterministic output",
+            proposal("def f(a):\n    return [id(object()) for _ in range(3)]", "1"),
+            &[Status::NonDeterministic],
+        ),
+    ];
+
+    // Interleave honest proposals whose results must survive their neighbours.
+    let honest = |k: usize| {
+        proposal(
+            "def f(a, k):\n    return sorted(a, reverse=True)[:k]",
+            &format!("[3, 9, {k}, 1], 2"),
+        )
+    };
+    let expected_honest = |k: usize| {
+        let mut v = vec![3, 9, k, 1];
+        v.sort_unstable_by(|a, b| b.cmp(a));
+        format!("[{}, {}]", v[0], v[1])
+    };
+    let mut jobs = Vec::new();
+    for (k, (_, job, _)) in hostile.iter().enumerate() {
+        jobs.push(job.clone());
+        jobs.push(honest(k));
+    }
+    let results = pool.batch(&jobs);
+    for (k, (name, _, allowed)) in hostile.iter().enumerate() {
+        let outcome = results[2 * k]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{name}: sandbox error {e}"));
+        let reason = match outcome {
+            Outcome::Proposal(v) => &v.reason,
+            Outcome::Check(j) => &j.reason,
+        };
+        assert!(
+            allowed.contains(&outcome.status()),
+            "{name}: got {:?} ({reason})",
+            outcome.status()
+        );
+        match results[2 * k + 1].as_ref().unwrap() {
+            Outcome::Proposal(v) => assert_eq!(
+                v.output.as_deref(),
+                Some(expected_honest(k).as_str()),
+                "after {name}"
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+    // The pool keeps serving right after, and nothing is left running.
+    let v = pool
+        .validate_proposal("def f(a):\n    return a * 3", "'ab'")
+        .unwrap();
+    assert_eq!(v.output.as_deref(), Some("'ababab'"));
+    if is_root() {
+        assert_no_sandbox_processes(uid);
+    }
+    drop(pool);
+    if is_root() {
+        assert_no_sandbox_processes(uid);
+    }
+    for path in escapes.iter().chain([&shm_escape, &var_tmp_escape]) {
+        assert!(
+            !path.exists(),
+            "{} appeared outside the sandbox",
+            path.display()
+        );
+    }
+    std::fs::remove_dir_all(&scratch).unwrap();
+}
+
+#[test]
+fn many_concurrent_jobs_return_in_order() {
+    let _guard = serial();
+    let pool = pool(2);
+    let jobs: Vec<Job> = (0..120)
+        .map(|i| match i % 3 {
+            0 => proposal("def f(n):\n    return sum(range(n))", &i.to_string()),
+            1 => Job::Output {
+                predicted: format!("[{i}, {}]", i + 1),
+                gold: format!("[{i},{}]", i + 1),
+            },
+            _ => Job::Input {
+                program: "def f(x):\n    return x * x".into(),
+                predicted_input: i.to_string(),
+                gold_output: (i * i).to_string(),
+            },
+        })
+        .collect();
+    // Callers on several threads at once share the workers.
+    let results = std::thread::scope(|scope| {
+        let halves: Vec<_> = jobs
+            .chunks(60)
+            .map(|chunk| scope.spawn(|| pool.batch(chunk)))
+            .collect();
+        halves
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for (i, result) in results.into_iter().enumerate() {
+        match result.unwrap() {
+            Outcome::Proposal(v) => assert_eq!(v.output, Some((0..i).sum::<usize>().to_string())),
+            Outcome::Check(j) => assert!(j.passed(), "job {i}: {}", j.reason),
+        }
+    }
+}
+
+/// Where namespaces are refused, Landlock, rlimits, the unprivileged uid and
+/// the subreaper still contain a program.
+#[test]
+fn fallback_without_namespaces_still_contains() {
+    let _guard = serial();
+    let pool = VerifierPool::new(SandboxConfig {
+        workers: 1,
+        namespaces: false,
+        limits: Limits {
+            timeout_ms: TEST_TIMEOUT_MS,
+            ..Limits::default()
+        },
+        ..SandboxConfig::default()
+    })
+    .unwrap();
+    let layers = pool.layers();
+    assert!(
+        layers.contains(&Layer::Subreaper) && !layers.contains(&Layer::MountNamespace),
+        "{layers:?}"
+    );
+    let escape = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("fallback-escape-{}", std::process::id()));
+    let run_it = "def check(candidate):\n    candidate()\n";
+    let write = format!(
+        "def candidate_fn():\n    open({:?}, 'w').write('x')",
+        escape.display().to_string()
+    );
+    let jobs = [
+        humaneval(&write, run_it),
+        humaneval("def candidate_fn():\n    return open('/etc/passwd').read()", run_it),
+        humaneval(
+            "import os, time\ndef candidate_fn():\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(60)\n",
+            run_it,
+        ),
+        proposal("def f(a):\n    return a[::-1]", "'abc'"),
+    ];
+    let statuses: Vec<Status> = pool
+        .batch(&jobs)
+        .into_iter()
+        .map(|r| r.unwrap().status())
+        .collect();
+    let expected = [
+        Status::RuntimeError,
+        Status::RuntimeError,
+        Status::Ok,
+        Status::Ok,
+    ];
+    // Landlock is what denies the write and the read here.
+    if layers.contains(&Layer::LandlockFs) {
+        assert_eq!(statuses, expected);
+    } else {
+        assert_eq!(statuses[2..], expected[2..]);
+    }
+    assert!(!escape.exists(), "{} appeared", escape.display());
+    if is_root() {
+        assert_no_sandbox_processes(pool.config().unprivileged_uid);
+    }
+}
