@@ -56,7 +56,7 @@ pub fn stream(seed: u64, key: &[KeyPart<'_>]) -> ChaCha12Rng {
     ChaCha12Rng::from_seed(h.finalize().into())
 }
 
-/// `stream(seed, &[..])` with a literal key: `rng::keyed!(seed, member, step, "sample")`.
+/// `stream(seed, &[..])` with a literal key: `keyed_stream!(seed, member, step, "sample")`.
 #[macro_export]
 macro_rules! keyed_stream {
     ($seed:expr $(, $part:expr)* $(,)?) => {
@@ -66,7 +66,6 @@ macro_rules! keyed_stream {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use rand::Rng;
 
     #[test]

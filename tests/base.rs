@@ -15,7 +15,10 @@ fn tmpdir(name: &str) -> std::path::PathBuf {
 
 /// Logits of every position of one unpadded row.
 fn logits(model: &Llama, tokens: &[u32]) -> Tensor {
-    let t = Tensor::new(tokens, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let t = Tensor::new(tokens, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     let at = Positions::left_padded(&[0], 0, tokens.len(), &Device::Cpu).unwrap();
     model
         .forward(&t, &at, None, &NoLora, Logits::All)
@@ -44,7 +47,15 @@ fn gguf_round_trip_undoes_the_qk_permutation() {
     let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
     let dir = tmpdir("gguf-rt");
     let path = dir.join("tiny.gguf");
-    gguf::write(&path, &model, &vocab.tokens, &vocab.merges, &vocab.special, TINY_CHAT_TEMPLATE).unwrap();
+    gguf::write(
+        &path,
+        &model,
+        &vocab.tokens,
+        &vocab.merges,
+        &vocab.special,
+        TINY_CHAT_TEMPLATE,
+    )
+    .unwrap();
     let loaded = BaseModel::load(&path).unwrap();
     assert_eq!(loaded.config(), &model.config);
     let d = max_abs_diff(&logits(&model, &TOKENS), &logits(&loaded.model, &TOKENS));
@@ -53,18 +64,30 @@ fn gguf_round_trip_undoes_the_qk_permutation() {
     let q = &model.blocks[0].q.weight;
     let permuted = gguf::permute_rows(q, model.config.num_heads).unwrap();
     assert!(max_abs_diff(q, &permuted) > 1e-3);
-    assert!(max_abs_diff(q, &gguf::unpermute_rows(&permuted, model.config.num_heads).unwrap()) == 0.0);
+    assert!(
+        max_abs_diff(
+            q,
+            &gguf::unpermute_rows(&permuted, model.config.num_heads).unwrap()
+        ) == 0.0
+    );
 }
 
 #[test]
 fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
     use candle_transformers::models::llama as peer;
-    let spec = TinySpec { tied: false, seed: 3, ..TinySpec::default() };
+    let spec = TinySpec {
+        tied: false,
+        seed: 3,
+        ..TinySpec::default()
+    };
     let (model, vocab) = tiny::build(&spec).unwrap();
     let dir = tmpdir("hf-llama");
     hf::write(&dir, &model, vocab.tokenizer().unwrap().inner(), 2).unwrap();
     let ours = BaseModel::load(&dir).unwrap();
-    assert!(dir.join("model.safetensors.index.json").exists(), "sharded checkpoint");
+    assert!(
+        dir.join("model.safetensors.index.json").exists(),
+        "sharded checkpoint"
+    );
 
     let cfg: peer::LlamaConfig =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
@@ -74,26 +97,49 @@ fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
         .collect();
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
     let peer_model = peer::Llama::load(vb, &cfg).unwrap();
     let mut cache = peer::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
-    let input = Tensor::new(&TOKENS, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let peer_last = peer_model.forward(&input, 0, &mut cache).unwrap().squeeze(0).unwrap();
+    let input = Tensor::new(&TOKENS, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let peer_last = peer_model
+        .forward(&input, 0, &mut cache)
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
     let our_last = logits(&ours.model, &TOKENS).i(TOKENS.len() - 1).unwrap();
     let d = max_abs_diff(&peer_last, &our_last);
     assert!(d < 1e-4, "ours vs candle-transformers llama: {d}");
 
     let gguf_path = dir.join("same.gguf");
-    gguf::write(&gguf_path, &model, &vocab.tokens, &vocab.merges, &vocab.special, TINY_CHAT_TEMPLATE).unwrap();
+    gguf::write(
+        &gguf_path,
+        &model,
+        &vocab.tokens,
+        &vocab.merges,
+        &vocab.special,
+        TINY_CHAT_TEMPLATE,
+    )
+    .unwrap();
     let from_gguf = BaseModel::load(&gguf_path).unwrap();
-    let d = max_abs_diff(&logits(&from_gguf.model, &TOKENS), &logits(&ours.model, &TOKENS));
+    let d = max_abs_diff(
+        &logits(&from_gguf.model, &TOKENS),
+        &logits(&ours.model, &TOKENS),
+    );
     assert!(d < 1e-5, "GGUF vs HF loader on the same weights: {d}");
 }
 
 #[test]
 fn hf_qwen2_with_biases_matches_candle_transformers() {
     use candle_transformers::models::qwen2 as peer;
-    let spec = TinySpec { arch: Arch::Qwen2, seed: 4, ..TinySpec::default() };
+    let spec = TinySpec {
+        arch: Arch::Qwen2,
+        seed: 4,
+        ..TinySpec::default()
+    };
     let (model, vocab) = tiny::build(&spec).unwrap();
     assert!(model.blocks[0].q.bias.is_some());
     let dir = tmpdir("hf-qwen2");
@@ -103,10 +149,20 @@ fn hf_qwen2_with_biases_matches_candle_transformers() {
     let cfg: peer::Config =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let files = [dir.join("model.safetensors")];
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
+    let vb =
+        unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
     let mut peer_model = peer::ModelForCausalLM::new(&cfg, vb).unwrap();
-    let input = Tensor::new(&TOKENS, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let peer_last = peer_model.forward(&input, 0).unwrap().squeeze(0).unwrap().squeeze(0).unwrap();
+    let input = Tensor::new(&TOKENS, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let peer_last = peer_model
+        .forward(&input, 0)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
     let our_last = logits(&ours.model, &TOKENS).i(TOKENS.len() - 1).unwrap();
     let d = max_abs_diff(&peer_last, &our_last);
     assert!(d < 1e-4, "ours vs candle-transformers qwen2: {d}");
@@ -126,7 +182,9 @@ fn padded_batch_rows_equal_single_rows_and_cache_equals_full_forward() {
     let batch = Tensor::from_vec(flat, (3, width), &Device::Cpu).unwrap();
     let at = Positions::left_padded(&pads, 0, width, &Device::Cpu).unwrap();
     let mut cache = KvCache::new(model.config.num_layers);
-    let out = model.forward(&batch, &at, Some(&mut cache), &NoLora, Logits::Last).unwrap();
+    let out = model
+        .forward(&batch, &at, Some(&mut cache), &NoLora, Logits::Last)
+        .unwrap();
     for (i, r) in rows.iter().enumerate() {
         let alone = logits(&model, r).i(r.len() - 1).unwrap();
         let d = max_abs_diff(&out.i((i, 0)).unwrap(), &alone);
@@ -135,13 +193,18 @@ fn padded_batch_rows_equal_single_rows_and_cache_equals_full_forward() {
     // One more token per row through the cache == the full forward of the longer row.
     let next = Tensor::new(&[[42u32], [43], [44]], &Device::Cpu).unwrap();
     let at = Positions::left_padded(&pads, width, 1, &Device::Cpu).unwrap();
-    let out = model.forward(&next, &at, Some(&mut cache), &NoLora, Logits::Last).unwrap();
+    let out = model
+        .forward(&next, &at, Some(&mut cache), &NoLora, Logits::Last)
+        .unwrap();
     for (i, r) in rows.iter().enumerate() {
         let mut longer = r.to_vec();
         longer.push(42 + i as u32);
         let full = logits(&model, &longer).i(longer.len() - 1).unwrap();
         let d = max_abs_diff(&out.i((i, 0)).unwrap(), &full);
-        assert!(d < 1e-5, "row {i}: cached decode differs from full forward by {d}");
+        assert!(
+            d < 1e-5,
+            "row {i}: cached decode differs from full forward by {d}"
+        );
     }
 }
 
@@ -149,7 +212,14 @@ fn padded_batch_rows_equal_single_rows_and_cache_equals_full_forward() {
 /// proves every op of the forward carries gradients.
 #[test]
 fn gradient_of_logits_wrt_input_embeddings_matches_finite_differences() {
-    let spec = TinySpec { hidden: 16, heads: 4, kv_heads: 2, ffn: 24, vocab: 260, ..TinySpec::default() };
+    let spec = TinySpec {
+        hidden: 16,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 24,
+        vocab: 260,
+        ..TinySpec::default()
+    };
     let (model, _) = tiny::build(&spec).unwrap();
     let model = model.to_dtype(DType::F64).unwrap();
     let tokens = Tensor::new(&[[3u32, 9, 27, 81], [0, 0, 5, 25]], &Device::Cpu).unwrap();
@@ -158,15 +228,31 @@ fn gradient_of_logits_wrt_input_embeddings_matches_finite_differences() {
     // A scalar that mixes every output position and many vocabulary entries.
     let weights = Tensor::randn(0f64, 1.0, (2, 4, model.config.vocab_size), &Device::Cpu).unwrap();
     let objective = |e: &Tensor| -> Tensor {
-        let l = model.forward_embeds(e, &at, None, &NoLora, Logits::All).unwrap();
+        let l = model
+            .forward_embeds(e, &at, None, &NoLora, Logits::All)
+            .unwrap();
         // Padding positions (row 1, slots 0-1) do not count.
         let keep = Tensor::new(&[[1f64, 1., 1., 1.], [0., 0., 1., 1.]], &Device::Cpu).unwrap();
-        (l * &weights).unwrap().sum(2).unwrap().mul(&keep).unwrap().sum_all().unwrap()
+        (l * &weights)
+            .unwrap()
+            .sum(2)
+            .unwrap()
+            .mul(&keep)
+            .unwrap()
+            .sum_all()
+            .unwrap()
     };
     let grads = objective(embeds.as_tensor()).backward().unwrap();
-    let analytic = grads.get(&embeds).expect("gradient reaches the input embeddings");
+    let analytic = grads
+        .get(&embeds)
+        .expect("gradient reaches the input embeddings");
     let analytic = analytic.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-    let base = embeds.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let base = embeds
+        .as_tensor()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
     let shape = embeds.dims().to_vec();
     let eps = 1e-5;
     let mut checked = 0;
@@ -179,19 +265,32 @@ fn gradient_of_logits_wrt_input_embeddings_matches_finite_differences() {
         };
         let numeric = (at_shift(eps) - at_shift(-eps)) / (2.0 * eps);
         let err = (numeric - analytic[i]).abs() / (1e-6 + numeric.abs().max(analytic[i].abs()));
-        assert!(err < 1e-5, "entry {i}: numeric {numeric}, analytic {}", analytic[i]);
+        assert!(
+            err < 1e-5,
+            "entry {i}: numeric {numeric}, analytic {}",
+            analytic[i]
+        );
         checked += 1;
     }
     assert!(checked > 50);
     // Padding embeddings must get exactly zero gradient (they are masked out).
-    let pad_grad: f64 = analytic[4 * 16..4 * 16 + 2 * 16].iter().map(|g| g.abs()).sum();
+    let pad_grad: f64 = analytic[4 * 16..4 * 16 + 2 * 16]
+        .iter()
+        .map(|g| g.abs())
+        .sum();
     assert_eq!(pad_grad, 0.0);
 }
 
 fn tiny_gguf_contents() -> (Llama, gguf::GgufContents) {
     let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
-    let contents =
-        gguf::GgufContents::of(&model, &vocab.tokens, &vocab.merges, &vocab.special, TINY_CHAT_TEMPLATE).unwrap();
+    let contents = gguf::GgufContents::of(
+        &model,
+        &vocab.tokens,
+        &vocab.merges,
+        &vocab.special,
+        TINY_CHAT_TEMPLATE,
+    )
+    .unwrap();
     (model, contents)
 }
 
@@ -218,7 +317,10 @@ fn bad_model_files_are_clear_errors() {
     let header_only = dir.join("header.gguf");
     std::fs::write(&header_only, &bytes[..40]).unwrap();
     let e = load_error(&header_only);
-    assert!(e.contains("header.gguf") && e.contains("not a valid model file"), "{e}");
+    assert!(
+        e.contains("header.gguf") && e.contains("not a valid model file"),
+        "{e}"
+    );
 
     let not_gguf = dir.join("text.gguf");
     std::fs::write(&not_gguf, b"hello, I am not a model").unwrap();
@@ -232,18 +334,28 @@ fn bad_model_files_are_clear_errors() {
     assert!(e.contains("unsupported architecture \"falcon\""), "{e}");
 
     let (_, mut no_tokens) = tiny_gguf_contents();
-    no_tokens.metadata.retain(|(k, _)| k != "tokenizer.ggml.tokens");
+    no_tokens
+        .metadata
+        .retain(|(k, _)| k != "tokenizer.ggml.tokens");
     let path = dir.join("notokens.gguf");
     no_tokens.write(&path).unwrap();
     let e = load_error(&path);
-    assert!(e.contains("missing metadata field \"tokenizer.ggml.tokens\""), "{e}");
+    assert!(
+        e.contains("missing metadata field \"tokenizer.ggml.tokens\""),
+        "{e}"
+    );
 
     let (_, mut no_tensor) = tiny_gguf_contents();
-    no_tensor.tensors.retain(|(k, _)| k != "blk.1.ffn_up.weight");
+    no_tensor
+        .tensors
+        .retain(|(k, _)| k != "blk.1.ffn_up.weight");
     let path = dir.join("notensor.gguf");
     no_tensor.write(&path).unwrap();
     let e = load_error(&path);
-    assert!(e.contains("blk.1.ffn_up.weight") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("blk.1.ffn_up.weight") && e.contains("missing"),
+        "{e}"
+    );
 
     let e = load_error(&dir.join("does-not-exist.gguf"));
     assert!(e.contains("does-not-exist.gguf"), "{e}");
@@ -262,5 +374,7 @@ fn tiny_tokenizer_round_trips_and_keeps_special_tokens_whole() {
     let ids = tok.encode(text).unwrap();
     assert_eq!(ids[0], tok.token_to_id("<|im_start|>").unwrap());
     assert_eq!(tok.decode(&ids).unwrap(), text);
-    assert!(tok.stop_ids.contains(&tok.token_to_id("<|im_end|>").unwrap()));
+    assert!(tok
+        .stop_ids
+        .contains(&tok.token_to_id("<|im_end|>").unwrap()));
 }

@@ -5,7 +5,9 @@
 use candle_core::{DType, Device, Tensor, Var};
 use populora::base::tiny::{self, TinySpec};
 use populora::base::{Llama, Logits, NoLora, Positions};
-use populora::compute::{self, AdapterSet, GenRequest, RowAdapters, Sampling, ScoreRow, TrainConfig, TrainRow};
+use populora::compute::{
+    self, AdapterSet, GenRequest, RowAdapters, Sampling, ScoreRow, TrainConfig, TrainRow,
+};
 use populora::keyed_stream;
 use populora::lora::{Adapter, LoraConfig, LoraModule};
 use rand::Rng;
@@ -16,16 +18,31 @@ fn tiny_model() -> Llama {
 
 /// An adapter with random (non-zero) A and B, in `dtype`.
 fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
-    let config = LoraConfig { rank: 2, alpha: 4.0, ..LoraConfig::default() };
+    let config = LoraConfig {
+        rank: 2,
+        alpha: 4.0,
+        ..LoraConfig::default()
+    };
     let mut rng = keyed_stream!(seed, "adapter");
     let mut adapter = Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap();
     for m in adapter.modules.values_mut() {
         let random = |t: &Tensor, rng: &mut rand_chacha::ChaCha12Rng| {
-            let v: Vec<f32> = (0..t.elem_count()).map(|_| rng.random_range(-0.3f32..0.3)).collect();
-            Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+            let v: Vec<f32> = (0..t.elem_count())
+                .map(|_| rng.random_range(-0.3f32..0.3))
+                .collect();
+            Tensor::from_vec(v, t.dims(), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
         };
-        let (a, b) = (random(m.a.as_tensor(), &mut rng), random(m.b.as_tensor(), &mut rng));
-        *m = LoraModule { a: Var::from_tensor(&a).unwrap(), b: Var::from_tensor(&b).unwrap() };
+        let (a, b) = (
+            random(m.a.as_tensor(), &mut rng),
+            random(m.b.as_tensor(), &mut rng),
+        );
+        *m = LoraModule {
+            a: Var::from_tensor(&a).unwrap(),
+            b: Var::from_tensor(&b).unwrap(),
+        };
     }
     adapter
 }
@@ -41,12 +58,18 @@ fn last_logits(model: &Llama, set: &AdapterSet, rows: &[(Option<u64>, Vec<u32>)]
     let at = Positions::left_padded(&pads, 0, width, &Device::Cpu).unwrap();
     let ids: Vec<_> = rows.iter().map(|r| r.0).collect();
     let hook = RowAdapters::new(set, &ids).unwrap();
-    let out = model.forward(&tokens, &at, None, &hook, Logits::Last).unwrap();
+    let out = model
+        .forward(&tokens, &at, None, &hook, Logits::Last)
+        .unwrap();
     out.squeeze(1).unwrap().to_vec2::<f32>().unwrap()
 }
 
 fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    let diff: f32 = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let diff: f32 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max);
     let scale: f32 = b.iter().map(|x| x.abs()).fold(0.0, f32::max);
     diff / scale.max(1e-12)
 }
@@ -54,17 +77,28 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn a_fresh_adapter_leaves_the_base_unchanged() {
     let model = tiny_model();
-    let fresh = Adapter::new(LoraConfig::default(), &model.config, &mut keyed_stream!(1, "a"), &Device::Cpu).unwrap();
+    let fresh = Adapter::new(
+        LoraConfig::default(),
+        &model.config,
+        &mut keyed_stream!(1, "a"),
+        &Device::Cpu,
+    )
+    .unwrap();
     let set = AdapterSet::new().with(1, &fresh);
     let rows = vec![(Some(1), vec![3, 4, 5, 6])];
     let base_rows = vec![(None, vec![3, 4, 5, 6])];
-    assert_eq!(last_logits(&model, &set, &rows), last_logits(&model, &set, &base_rows));
+    assert_eq!(
+        last_logits(&model, &set, &rows),
+        last_logits(&model, &set, &base_rows)
+    );
 }
 
 #[test]
 fn mixed_adapter_batch_rows_equal_single_adapter_passes() {
     let model = tiny_model();
-    let adapters: Vec<Adapter> = (0..3).map(|s| random_adapter(&model, s, DType::F32)).collect();
+    let adapters: Vec<Adapter> = (0..3)
+        .map(|s| random_adapter(&model, s, DType::F32))
+        .collect();
     let mut set = AdapterSet::new();
     for (i, a) in adapters.iter().enumerate() {
         set = set.with(i as u64, a);
@@ -89,15 +123,29 @@ fn mixed_adapter_batch_rows_equal_single_adapter_passes() {
 }
 
 fn request(adapter: Option<u64>, prompt: Vec<u32>, sampling: Sampling, seed: u64) -> GenRequest {
-    GenRequest { adapter, prompt, max_new_tokens: 12, stop: vec![], sampling, rng: keyed_stream!(seed, "row") }
+    GenRequest {
+        adapter,
+        prompt,
+        max_new_tokens: 12,
+        stop: vec![],
+        sampling,
+        rng: keyed_stream!(seed, "row"),
+    }
 }
 
 #[test]
 fn generation_of_a_row_does_not_depend_on_its_batch() {
     let model = tiny_model();
-    let adapters: Vec<Adapter> = (0..2).map(|s| random_adapter(&model, 10 + s, DType::F32)).collect();
-    let set = AdapterSet::new().with(0, &adapters[0]).with(1, &adapters[1]);
-    let hot = Sampling { temperature: 1.0, top_p: 0.9 };
+    let adapters: Vec<Adapter> = (0..2)
+        .map(|s| random_adapter(&model, 10 + s, DType::F32))
+        .collect();
+    let set = AdapterSet::new()
+        .with(0, &adapters[0])
+        .with(1, &adapters[1]);
+    let hot = Sampling {
+        temperature: 1.0,
+        top_p: 0.9,
+    };
     for sampling in [Sampling::GREEDY, hot] {
         let probe = request(Some(1), vec![5, 6, 7], sampling, 99);
         let alone = compute::generate(&model, &set, vec![probe.clone()]).unwrap();
@@ -119,8 +167,15 @@ fn generation_of_a_row_does_not_depend_on_its_batch() {
 fn same_seed_same_sample_different_seed_different_sample() {
     let model = tiny_model();
     let set = AdapterSet::new();
-    let hot = Sampling { temperature: 1.5, top_p: 1.0 };
-    let run = |seed| compute::generate(&model, &set, vec![request(None, vec![1, 2], hot, seed)]).unwrap()[0].tokens.clone();
+    let hot = Sampling {
+        temperature: 1.5,
+        top_p: 1.0,
+    };
+    let run = |seed| {
+        compute::generate(&model, &set, vec![request(None, vec![1, 2], hot, seed)]).unwrap()[0]
+            .tokens
+            .clone()
+    };
     assert_eq!(run(5), run(5));
     assert_ne!(run(5), run(6));
 }
@@ -130,11 +185,28 @@ fn logprobs_match_generation_logprobs_and_respect_micro_batching() {
     let model = tiny_model();
     let adapter = random_adapter(&model, 20, DType::F32);
     let set = AdapterSet::new().with(7, &adapter);
-    let gen = compute::generate(&model, &set, vec![request(Some(7), vec![4, 2], Sampling::default(), 1)]).unwrap();
+    let gen = compute::generate(
+        &model,
+        &set,
+        vec![request(Some(7), vec![4, 2], Sampling::default(), 1)],
+    )
+    .unwrap();
     let mut tokens = vec![4, 2];
     tokens.extend(&gen[0].tokens);
-    let row = ScoreRow { adapter: Some(7), tokens: tokens.clone(), score_from: 2 };
-    let many = vec![row.clone(), ScoreRow { adapter: None, tokens: tokens.clone(), score_from: 1 }, row];
+    let row = ScoreRow {
+        adapter: Some(7),
+        tokens: tokens.clone(),
+        score_from: 2,
+    };
+    let many = vec![
+        row.clone(),
+        ScoreRow {
+            adapter: None,
+            tokens: tokens.clone(),
+            score_from: 1,
+        },
+        row,
+    ];
     let big = compute::logprobs(&model, &set, &many, 4096).unwrap();
     let small = compute::logprobs(&model, &set, &many, 8).unwrap();
     for (a, b) in big[0].iter().zip(&gen[0].logprobs) {
@@ -151,10 +223,23 @@ fn logprobs_match_generation_logprobs_and_respect_micro_batching() {
 /// batch, analytic vs central finite differences in f64.
 #[test]
 fn train_step_gradients_match_finite_differences_for_every_factor() {
-    let spec = TinySpec { hidden: 16, heads: 4, kv_heads: 2, ffn: 24, vocab: 260, layers: 2, ..TinySpec::default() };
+    let spec = TinySpec {
+        hidden: 16,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 24,
+        vocab: 260,
+        layers: 2,
+        ..TinySpec::default()
+    };
     let model = tiny::build(&spec).unwrap().0.to_dtype(DType::F64).unwrap();
-    let adapters = [random_adapter(&model, 30, DType::F64), random_adapter(&model, 31, DType::F64)];
-    let set = AdapterSet::new().with(0, &adapters[0]).with(1, &adapters[1]);
+    let adapters = [
+        random_adapter(&model, 30, DType::F64),
+        random_adapter(&model, 31, DType::F64),
+    ];
+    let set = AdapterSet::new()
+        .with(0, &adapters[0])
+        .with(1, &adapters[1]);
     let mut rng = keyed_stream!(1, "rows");
     let rows: Vec<TrainRow> = [(0u64, 7usize), (1, 5), (0, 4), (1, 6)]
         .into_iter()
@@ -162,27 +247,45 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
             let tokens: Vec<u32> = (0..len).map(|_| rng.random_range(0..256)).collect();
             let loss_mask = (0..len).map(|t| t >= 2).collect();
             let advantages = (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-            TrainRow { adapter, tokens, loss_mask, advantages, old_logprobs: vec![0.0; len] }
+            TrainRow {
+                adapter,
+                tokens,
+                loss_mask,
+                advantages,
+                old_logprobs: vec![0.0; len],
+            }
         })
         .collect();
     // Old log-probs near the current ones, so ratios sit inside the clip range
     // (away from the kinks of min/clip where finite differences are undefined).
     let scores: Vec<ScoreRow> = rows
         .iter()
-        .map(|r| ScoreRow { adapter: Some(r.adapter), tokens: r.tokens.clone(), score_from: 1 })
+        .map(|r| ScoreRow {
+            adapter: Some(r.adapter),
+            tokens: r.tokens.clone(),
+            score_from: 1,
+        })
         .collect();
     let current = compute::logprobs(&model, &set, &scores, 4096).unwrap();
     let rows: Vec<TrainRow> = rows
         .into_iter()
         .zip(current)
         .map(|(mut r, lp)| {
-            r.old_logprobs = std::iter::once(0.0).chain(lp.iter().map(|l| l + 0.05)).collect();
+            r.old_logprobs = std::iter::once(0.0)
+                .chain(lp.iter().map(|l| l + 0.05))
+                .collect();
             r
         })
         .collect();
-    let config = TrainConfig { clip: 0.2, token_budget: 16 };
+    let config = TrainConfig {
+        clip: 0.2,
+        token_budget: 16,
+    };
     let out = compute::train_step(&model, &set, &rows, config).unwrap();
-    assert!(out.micro_batches >= 2, "the check must cover gradient accumulation");
+    assert!(
+        out.micro_batches >= 2,
+        "the check must cover gradient accumulation"
+    );
     let loss = |set: &AdapterSet| -> f64 {
         let o = compute::train_step(&model, set, &rows, config).unwrap();
         o.stats.values().map(|s| s.loss).sum()
@@ -194,15 +297,24 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
             let (ga, gb) = &grads[key];
             for (var, grad) in [(&module.a, ga), (&module.b, gb)] {
                 let analytic = grad.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-                let original = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                let original = var
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap();
                 // Two entries per factor keep the test fast; every factor is covered.
                 for i in [0, original.len() - 1] {
                     let shifted = |d: f64| {
                         let mut v = original.clone();
                         v[i] += d;
-                        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap()).unwrap();
+                        var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap())
+                            .unwrap();
                         let l = loss(&set);
-                        var.set(&Tensor::from_vec(original.clone(), var.dims(), &Device::Cpu).unwrap()).unwrap();
+                        var.set(
+                            &Tensor::from_vec(original.clone(), var.dims(), &Device::Cpu).unwrap(),
+                        )
+                        .unwrap();
                         l
                     };
                     let numeric = (shifted(eps) - shifted(-eps)) / (2.0 * eps);
@@ -226,11 +338,37 @@ fn bad_rows_are_errors_not_panics() {
     let model = tiny_model();
     let set = AdapterSet::new();
     let too_long = vec![1u32; model.config.max_position_embeddings];
-    assert!(compute::generate(&model, &set, vec![request(None, too_long, Sampling::GREEDY, 0)]).is_err());
-    assert!(compute::generate(&model, &set, vec![request(None, vec![], Sampling::GREEDY, 0)]).is_err());
-    assert!(compute::generate(&model, &set, vec![request(None, vec![100_000], Sampling::GREEDY, 0)]).is_err());
-    assert!(compute::generate(&model, &set, vec![request(Some(3), vec![1], Sampling::GREEDY, 0)]).is_err());
-    let row = TrainRow { adapter: 0, tokens: vec![1, 2], loss_mask: vec![true, true], advantages: vec![0.0; 2], old_logprobs: vec![0.0; 2] };
+    assert!(compute::generate(
+        &model,
+        &set,
+        vec![request(None, too_long, Sampling::GREEDY, 0)]
+    )
+    .is_err());
+    assert!(compute::generate(
+        &model,
+        &set,
+        vec![request(None, vec![], Sampling::GREEDY, 0)]
+    )
+    .is_err());
+    assert!(compute::generate(
+        &model,
+        &set,
+        vec![request(None, vec![100_000], Sampling::GREEDY, 0)]
+    )
+    .is_err());
+    assert!(compute::generate(
+        &model,
+        &set,
+        vec![request(Some(3), vec![1], Sampling::GREEDY, 0)]
+    )
+    .is_err());
+    let row = TrainRow {
+        adapter: 0,
+        tokens: vec![1, 2],
+        loss_mask: vec![true, true],
+        advantages: vec![0.0; 2],
+        old_logprobs: vec![0.0; 2],
+    };
     assert!(compute::train_step(&model, &set, &[row], TrainConfig::default()).is_err());
     let _ = NoLora;
 }

@@ -31,7 +31,14 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
     let base = BaseModel::load(&path).unwrap();
     let cfg = base.config();
     assert_eq!(
-        (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size),
+        (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size
+        ),
         (30, 576, 9, 3, 1536, 49152)
     );
     assert!(cfg.tie_word_embeddings);
@@ -39,15 +46,33 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
 
     let prompt = base
         .tokenizer
-        .encode_chat(&[Message::new("user", "Write a Python function that returns the square of x.")])
+        .encode_chat(&[Message::new(
+            "user",
+            "Write a Python function that returns the square of x.",
+        )])
         .unwrap();
     let mut peer = peer(&path);
-    let input = Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     let peer_logits = peer.forward(&input, 0).unwrap().squeeze(0).unwrap();
 
     let at = Positions::left_padded(&[0], 0, prompt.len(), &Device::Cpu).unwrap();
-    let ours = base.model.forward(&input, &at, None, &NoLora, Logits::Last).unwrap().i((0, 0)).unwrap();
-    let diff = (&ours - &peer_logits).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    let ours = base
+        .model
+        .forward(&input, &at, None, &NoLora, Logits::Last)
+        .unwrap()
+        .i((0, 0))
+        .unwrap();
+    let diff = (&ours - &peer_logits)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!(diff < 1e-3, "max |logit difference| {diff}");
 
     // 32 greedy tokens, peer vs ours, with no stop tokens.
@@ -57,7 +82,10 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
     for _ in 0..32 {
         let next = logits.argmax(0).unwrap().to_scalar::<u32>().unwrap();
         peer_tokens.push(next);
-        let x = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let x = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         logits = peer.forward(&x, pos).unwrap().squeeze(0).unwrap();
         pos += 1;
     }
@@ -89,7 +117,10 @@ fn smollm2_tokenizer_and_chat_format() {
     let digits = tok.encode("12345").unwrap();
     assert_eq!(digits.len(), 5);
     let chat = tok.chat.render(&[Message::new("user", "hi")]);
-    assert!(chat.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"), "{chat}");
+    assert!(
+        chat.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"),
+        "{chat}"
+    );
     assert!(chat.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
     let ids = tok.encode(&chat).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one special token");

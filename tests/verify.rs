@@ -551,7 +551,7 @@ fn hostile_programs_are_contained() {
         )
     };
     let expected_honest = |k: usize| {
-        let mut v = vec![3, 9, k, 1];
+        let mut v = [3, 9, k, 1];
         v.sort_unstable_by(|a, b| b.cmp(a));
         format!("[{}, {}]", v[0], v[1])
     };

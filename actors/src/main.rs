@@ -6,7 +6,11 @@ mod cli;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "populora", version, about = "Population-based self-play RL of LLMs with LoRA adapters")]
+#[command(
+    name = "populora",
+    version,
+    about = "Population-based self-play RL of LLMs with LoRA adapters"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

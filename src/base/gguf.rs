@@ -80,7 +80,10 @@ impl Reader<'_> {
             .tensor(&mut self.file, name, &Device::Cpu)
             .map_err(|e| bad(e.to_string()))?;
         if q.shape().dims() != shape {
-            return Err(bad(format!("shape {:?}, expected {shape:?}", q.shape().dims())));
+            return Err(bad(format!(
+                "shape {:?}, expected {shape:?}",
+                q.shape().dims()
+            )));
         }
         q.dequantize(&Device::Cpu).map_err(|e| bad(e.to_string()))
     }
@@ -163,7 +166,9 @@ fn tokenizer_of(r: &Reader) -> Result<Tokenizer> {
     if model.as_deref() != Some("gpt2") {
         return Err(Error::bad_file(
             r.path,
-            format!("tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") is supported"),
+            format!(
+                "tokenizer.ggml.model is {model:?}; only byte-level BPE (\"gpt2\") is supported"
+            ),
         ));
     }
     let tokens = r.meta_strings("tokenizer.ggml.tokens")?;
@@ -172,7 +177,11 @@ fn tokenizer_of(r: &Reader) -> Result<Tokenizer> {
         .meta("tokenizer.ggml.token_type")
         .ok()
         .and_then(|v| v.to_vec().ok())
-        .map(|v| v.iter().map(|t| t.to_i32().unwrap_or(1)).collect::<Vec<_>>())
+        .map(|v| {
+            v.iter()
+                .map(|t| t.to_i32().unwrap_or(1))
+                .collect::<Vec<_>>()
+        })
         .unwrap_or_default();
     let special: Vec<u32> = types
         .iter()
@@ -185,7 +194,12 @@ fn tokenizer_of(r: &Reader) -> Result<Tokenizer> {
         .ok()
         .and_then(|v| v.to_string().ok().cloned())
         .unwrap_or_default();
-    Tokenizer::from_bpe(&tokens, &merges, &special, ChatTemplate::from_jinja(&template))
+    Tokenizer::from_bpe(
+        &tokens,
+        &merges,
+        &special,
+        ChatTemplate::from_jinja(&template),
+    )
 }
 
 /// llama.cpp's q/k permutation, `[heads·d, in]`: rows `(h, 2, d/2)` → `(h, d/2, 2)`.
@@ -211,11 +225,17 @@ pub fn load(path: &Path) -> Result<(Llama, Tokenizer)> {
     let mut r = open(path)?;
     let cfg = config_of(&r)?;
     let tokenizer = tokenizer_of(&r)?;
-    let (h, ffn, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+    let (h, ffn, qd, kvd) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+    );
     let embed = r.tensor("token_embd.weight", &[cfg.vocab_size, h])?;
     let mut blocks = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
-        let mut t = |name: &str, shape: &[usize]| r.tensor(&format!("blk.{i}.{name}.weight"), shape);
+        let mut t =
+            |name: &str, shape: &[usize]| r.tensor(&format!("blk.{i}.{name}.weight"), shape);
         let linear = |weight| Linear { weight, bias: None };
         blocks.push(Block {
             attn_norm: t("attn_norm", &[h])?,
@@ -235,7 +255,10 @@ pub fn load(path: &Path) -> Result<(Llama, Tokenizer)> {
     } else {
         Some(r.tensor("output.weight", &[cfg.vocab_size, h])?)
     };
-    Ok((Llama::new(cfg, embed, blocks, final_norm, lm_head)?, tokenizer))
+    Ok((
+        Llama::new(cfg, embed, blocks, final_norm, lm_head)?,
+        tokenizer,
+    ))
 }
 
 /// The metadata and tensors of a GGUF file, before writing: tests edit them
@@ -248,12 +271,24 @@ pub struct GgufContents {
 impl GgufContents {
     /// `model` (HF layout) and its tokenizer vocabulary as a llama.cpp-style
     /// Llama GGUF, with q/k rows permuted as llama.cpp does.
-    pub fn of(model: &Llama, tokens: &[String], merges: &[String], special: &[u32], chat_template: &str) -> Result<Self> {
+    pub fn of(
+        model: &Llama,
+        tokens: &[String],
+        merges: &[String],
+        special: &[u32],
+        chat_template: &str,
+    ) -> Result<Self> {
         let cfg = &model.config;
         let u32v = |n: usize| Value::U32(n as u32);
         let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
         let types = (0..tokens.len() as u32)
-            .map(|i| Value::I32(if special.contains(&i) { TOKEN_TYPE_CONTROL } else { 1 }))
+            .map(|i| {
+                Value::I32(if special.contains(&i) {
+                    TOKEN_TYPE_CONTROL
+                } else {
+                    1
+                })
+            })
             .collect();
         let metadata: Vec<(String, Value)> = [
             ("general.architecture", Value::String("llama".into())),
@@ -266,11 +301,17 @@ impl GgufContents {
             ("llama.attention.head_count_kv", u32v(cfg.num_kv_heads)),
             ("llama.rope.freq_base", Value::F32(cfg.rope_theta as f32)),
             ("llama.rope.dimension_count", u32v(cfg.head_dim)),
-            ("llama.attention.layer_norm_rms_epsilon", Value::F32(cfg.rms_norm_eps as f32)),
+            (
+                "llama.attention.layer_norm_rms_epsilon",
+                Value::F32(cfg.rms_norm_eps as f32),
+            ),
             ("llama.vocab_size", u32v(cfg.vocab_size)),
             ("tokenizer.ggml.model", Value::String("gpt2".into())),
             ("tokenizer.ggml.pre", Value::String("smollm".into())),
-            ("tokenizer.chat_template", Value::String(chat_template.into())),
+            (
+                "tokenizer.chat_template",
+                Value::String(chat_template.into()),
+            ),
             ("tokenizer.ggml.tokens", strings(tokens)),
             ("tokenizer.ggml.merges", strings(merges)),
             ("tokenizer.ggml.token_type", Value::Array(types)),
@@ -279,7 +320,8 @@ impl GgufContents {
         .map(|(k, v)| (k.to_string(), v))
         .collect();
 
-        let mut tensors: Vec<(String, Tensor)> = vec![("token_embd.weight".into(), model.embed.clone())];
+        let mut tensors: Vec<(String, Tensor)> =
+            vec![("token_embd.weight".into(), model.embed.clone())];
         for (i, b) in model.blocks.iter().enumerate() {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             tensors.push((name("attn_norm"), b.attn_norm.clone()));
@@ -304,10 +346,17 @@ impl GgufContents {
         let qtensors = self
             .tensors
             .iter()
-            .map(|(n, t)| Ok((n.clone(), QTensor::quantize(&t.contiguous()?, GgmlDType::F32)?)))
+            .map(|(n, t)| {
+                Ok((
+                    n.clone(),
+                    QTensor::quantize(&t.contiguous()?, GgmlDType::F32)?,
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let meta: Vec<(&str, &Value)> = self.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let tensors: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let meta: Vec<(&str, &Value)> =
+            self.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let tensors: Vec<(&str, &QTensor)> =
+            qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let mut file = File::create(path).map_err(Error::io(path))?;
         gguf_file::write(&mut file, &meta, &tensors)?;
         Ok(())

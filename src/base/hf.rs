@@ -57,7 +57,10 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     let heads = hf.num_attention_heads;
     let kv_heads = hf.num_key_value_heads.unwrap_or(heads);
     if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(Error::bad_file(&path, format!("heads {heads} not a multiple of kv heads {kv_heads}")));
+        return Err(Error::bad_file(
+            &path,
+            format!("heads {heads} not a multiple of kv heads {kv_heads}"),
+        ));
     }
     let name = hf._name_or_path.clone().unwrap_or_else(|| {
         dir.file_name()
@@ -86,7 +89,8 @@ fn read_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
     let index = dir.join("model.safetensors.index.json");
     let files: BTreeSet<String> = if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(Error::io(&index))?;
-        let idx: ShardIndex = serde_json::from_str(&text).map_err(|e| Error::bad_file(&index, e))?;
+        let idx: ShardIndex =
+            serde_json::from_str(&text).map_err(|e| Error::bad_file(&index, e))?;
         idx.weight_map.into_values().collect()
     } else {
         ["model.safetensors".to_string()].into()
@@ -110,8 +114,8 @@ fn read_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
 pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
     let cfg = read_config(dir)?;
     let tok_path = dir.join("tokenizer.json");
-    let inner = tokenizers::Tokenizer::from_file(&tok_path)
-        .map_err(|e| Error::bad_file(&tok_path, e))?;
+    let inner =
+        tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::bad_file(&tok_path, e))?;
     let tokenizer = Tokenizer::from_inner(inner, chat_template(dir));
     let mut tensors = read_tensors(dir)?;
     let mut take = |name: &str, shape: &[usize]| -> Result<Tensor> {
@@ -129,7 +133,12 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
         }
         Ok(t)
     };
-    let (h, ffn, qd, kvd) = (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim(), cfg.kv_dim());
+    let (h, ffn, qd, kvd) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+    );
     let embed = take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
     let mut blocks = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
@@ -137,7 +146,11 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
         let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             Ok(Linear {
                 weight: take(&format!("{p}.{name}.weight"), &[out, inp])?,
-                bias: if bias { Some(take(&format!("{p}.{name}.bias"), &[out])?) } else { None },
+                bias: if bias {
+                    Some(take(&format!("{p}.{name}.bias"), &[out])?)
+                } else {
+                    None
+                },
             })
         };
         let qkv_bias = cfg.attention_bias();
@@ -166,7 +179,10 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
     } else {
         Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
     };
-    Ok((Llama::new(cfg, embed, blocks, final_norm, lm_head)?, tokenizer))
+    Ok((
+        Llama::new(cfg, embed, blocks, final_norm, lm_head)?,
+        tokenizer,
+    ))
 }
 
 /// The chat template from `tokenizer_config.json` when present; ChatML without
@@ -175,8 +191,14 @@ fn chat_template(dir: &Path) -> ChatTemplate {
     std::fs::read_to_string(dir.join("tokenizer_config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v.get("chat_template")?.as_str().map(ChatTemplate::from_jinja))
-        .unwrap_or(ChatTemplate { default_system: None })
+        .and_then(|v| {
+            v.get("chat_template")?
+                .as_str()
+                .map(ChatTemplate::from_jinja)
+        })
+        .unwrap_or(ChatTemplate {
+            default_system: None,
+        })
 }
 
 /// The HF tensor names and values of `model` (for writing test checkpoints).
@@ -185,7 +207,10 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
     for (i, b) in model.blocks.iter().enumerate() {
         let p = format!("model.layers.{i}");
         out.push((format!("{p}.input_layernorm.weight"), b.attn_norm.clone()));
-        out.push((format!("{p}.post_attention_layernorm.weight"), b.mlp_norm.clone()));
+        out.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            b.mlp_norm.clone(),
+        ));
         for (name, lin) in [
             ("self_attn.q_proj", &b.q),
             ("self_attn.k_proj", &b.k),
@@ -211,7 +236,12 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
 /// Write `model` as an HF directory split into `shards` safetensors files
 /// (one file without an index when `shards == 1`), with `config.json` and
 /// the given `tokenizer.json`.
-pub fn write(dir: &Path, model: &Llama, tokenizer: &tokenizers::Tokenizer, shards: usize) -> Result<()> {
+pub fn write(
+    dir: &Path,
+    model: &Llama,
+    tokenizer: &tokenizers::Tokenizer,
+    shards: usize,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
     let cfg = &model.config;
     let arch = match cfg.arch {
@@ -240,8 +270,11 @@ pub fn write(dir: &Path, model: &Llama, tokenizer: &tokenizers::Tokenizer, shard
         "use_sliding_window": false,
     });
     let config_path = dir.join("config.json");
-    std::fs::write(&config_path, serde_json::to_string_pretty(&config).unwrap_or_default())
-        .map_err(Error::io(&config_path))?;
+    std::fs::write(
+        &config_path,
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(Error::io(&config_path))?;
     let tok_path = dir.join("tokenizer.json");
     tokenizer
         .save(&tok_path, false)

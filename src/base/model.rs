@@ -163,7 +163,12 @@ impl Positions {
     /// For rows that are left-padded by `pad[r]` slots: the new tokens occupy
     /// slots `past..past+new`; a key slot is visible to a query when it is not
     /// padding and not in the query's future.
-    pub fn left_padded(pad: &[usize], past: usize, new: usize, device: &Device) -> Result<Positions> {
+    pub fn left_padded(
+        pad: &[usize],
+        past: usize,
+        new: usize,
+        device: &Device,
+    ) -> Result<Positions> {
         let total = past + new;
         let rows = pad.len();
         let mut positions = Vec::with_capacity(rows * new);
@@ -342,7 +347,9 @@ impl Llama {
 
         let a = rms_norm(h, &block.attn_norm, cfg.rms_norm_eps)?;
         let split = |t: Tensor, nh: usize| -> Result<Tensor> {
-            Ok(t.reshape((rows, n, nh, hd))?.transpose(1, 2)?.contiguous()?)
+            Ok(t.reshape((rows, n, nh, hd))?
+                .transpose(1, 2)?
+                .contiguous()?)
         };
         let q = rope(&split(proj(Target::Q, &a)?, heads)?, cos, sin)?;
         let k = rope(&split(proj(Target::K, &a)?, kv_heads)?, cos, sin)?;

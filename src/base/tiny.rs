@@ -81,7 +81,9 @@ impl TinyVocab {
 
 fn uniform(rng: &mut impl Rng, shape: &[usize], scale: f32, offset: f32) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.random_range(-1.0f32..1.0)).collect();
+    let data: Vec<f32> = (0..n)
+        .map(|_| offset + scale * rng.random_range(-1.0f32..1.0))
+        .collect();
     Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
 }
 
@@ -104,12 +106,21 @@ pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
         tie_word_embeddings: spec.tied,
     };
     let mut rng = crate::keyed_stream!(spec.seed, "tiny-model");
-    let (h, f, qd, kvd) = (config.hidden_size, config.intermediate_size, config.q_dim(), config.kv_dim());
+    let (h, f, qd, kvd) = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.q_dim(),
+        config.kv_dim(),
+    );
     let linear = |rng: &mut _, out: usize, inp: usize, bias: bool| -> Result<Linear> {
         let scale = 1.0 / (inp as f32).sqrt();
         Ok(Linear {
             weight: uniform(rng, &[out, inp], scale * 1.5, 0.0)?,
-            bias: if bias { Some(uniform(rng, &[out], 0.1, 0.0)?) } else { None },
+            bias: if bias {
+                Some(uniform(rng, &[out], 0.1, 0.0)?)
+            } else {
+                None
+            },
         })
     };
     let embed = uniform(&mut rng, &[config.vocab_size, h], 1.0, 0.0)?;
@@ -134,5 +145,8 @@ pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
     } else {
         Some(uniform(&mut rng, &[config.vocab_size, h], 0.5, 0.0)?)
     };
-    Ok((Llama::new(config, embed, blocks, final_norm, lm_head)?, vocab))
+    Ok((
+        Llama::new(config, embed, blocks, final_norm, lm_head)?,
+        vocab,
+    ))
 }

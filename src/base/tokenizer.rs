@@ -46,9 +46,13 @@ impl ChatTemplate {
     /// Read the default system prompt out of a Jinja ChatML template, e.g.
     /// SmolLM2's `'<|im_start|>system\nYou are a helpful ...<|im_end|>\n'`.
     pub fn from_jinja(template: &str) -> ChatTemplate {
-        let marker = "<|im_start|>system\\n";
-        let default_system = template.find(marker).and_then(|start| {
-            let rest = &template[start + marker.len()..];
+        // The newline after "system" is a real newline in some files and a
+        // Jinja escape (`\n`) in others.
+        let found = ["<|im_start|>system\n", "<|im_start|>system\\n"]
+            .iter()
+            .find_map(|m| template.find(m).map(|start| start + m.len()));
+        let default_system = found.and_then(|start| {
+            let rest = &template[start..];
             let end = rest.find(IM_END)?;
             let text = &rest[..end];
             // A literal in the template, not an expression such as `message['content']`.

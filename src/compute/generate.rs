@@ -10,7 +10,7 @@ use candle_core::{IndexOp, Tensor};
 use rand::Rng;
 use rand_chacha::ChaCha12Rng;
 
-use super::segments::{AdapterId, AdapterSet, RowAdapters};
+use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
 use crate::base::{KvCache, Llama, Logits, Positions};
 
@@ -74,24 +74,46 @@ struct Active {
 }
 
 /// Generate for every request in one batch; results in request order.
-pub fn generate(model: &Llama, adapters: &AdapterSet, requests: Vec<GenRequest>) -> Result<Vec<Generation>> {
+pub fn generate(
+    model: &Llama,
+    adapters: &AdapterSet,
+    requests: Vec<GenRequest>,
+) -> Result<Vec<Generation>> {
     adapters.check(&model.config)?;
     let context = model.config.max_position_embeddings;
     for (row, r) in requests.iter().enumerate() {
         if r.prompt.is_empty() {
-            return Err(Error::BadRow { row, reason: "empty prompt".into() });
+            return Err(Error::BadRow {
+                row,
+                reason: "empty prompt".into(),
+            });
         }
         if r.prompt.len() >= context {
-            return Err(crate::base::Error::TooLong { tokens: r.prompt.len(), context }.into());
+            return Err(crate::base::Error::TooLong {
+                tokens: r.prompt.len(),
+                context,
+            }
+            .into());
         }
-        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= model.config.vocab_size) {
-            return Err(Error::BadRow { row, reason: format!("token id {t} outside the vocabulary") });
+        if let Some(&t) = r
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= model.config.vocab_size)
+        {
+            return Err(Error::BadRow {
+                row,
+                reason: format!("token id {t} outside the vocabulary"),
+            });
         }
     }
     let mut requests = requests;
     let mut out: Vec<Generation> = requests
         .iter()
-        .map(|_| Generation { tokens: Vec::new(), logprobs: Vec::new(), stop: StopReason::MaxTokens })
+        .map(|_| Generation {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            stop: StopReason::MaxTokens,
+        })
         .collect();
     // Group rows by adapter (stable: ties keep request order).
     let mut order: Vec<usize> = (0..requests.len()).collect();
@@ -99,7 +121,10 @@ pub fn generate(model: &Llama, adapters: &AdapterSet, requests: Vec<GenRequest>)
     let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
     let mut active: Vec<Active> = order
         .iter()
-        .map(|&i| Active { request: i, pad: longest - requests[i].prompt.len() })
+        .map(|&i| Active {
+            request: i,
+            pad: longest - requests[i].prompt.len(),
+        })
         .filter(|a| requests[a.request].max_new_tokens > 0)
         .collect();
     if active.is_empty() {
@@ -113,13 +138,16 @@ pub fn generate(model: &Llama, adapters: &AdapterSet, requests: Vec<GenRequest>)
         step_tokens.extend(&requests[a.request].prompt);
     }
     let mut width = longest;
+    let hook_for = |active: &[Active], requests: &[GenRequest]| {
+        let rows: Vec<_> = active.iter().map(|a| requests[a.request].adapter).collect();
+        RowAdapters::new(adapters, &rows)
+    };
+    let mut hook = hook_for(&active, &requests)?;
     loop {
         let rows = active.len();
         let tokens = Tensor::from_vec(step_tokens, (rows, width), &device)?;
         let pads: Vec<usize> = active.iter().map(|a| a.pad).collect();
         let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
-        let row_adapters: Vec<_> = active.iter().map(|a| requests[a.request].adapter).collect();
-        let hook = RowAdapters::new(adapters, &row_adapters)?;
         let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
         let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
 
@@ -155,6 +183,7 @@ pub fn generate(model: &Llama, adapters: &AdapterSet, requests: Vec<GenRequest>)
                 slot += 1;
                 kept
             });
+            hook = hook_for(&active, &requests)?;
         }
         step_tokens = next;
         width = 1;
@@ -169,7 +198,10 @@ pub fn sample_token(logits: &[f32], sampling: Sampling, rng: &mut impl Rng) -> u
     }
     let inv_t = 1.0 / sampling.temperature as f64;
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let weights: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) * inv_t).exp()).collect();
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((l as f64 - max) * inv_t).exp())
+        .collect();
     let total: f64 = weights.iter().sum();
     if !total.is_finite() || total <= 0.0 {
         return argmax(logits);
@@ -216,4 +248,3 @@ fn log_softmax_at(logits: &[f32], token: u32) -> f32 {
     let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
     (logits[token as usize] as f64 - max - sum.ln()) as f32
 }
-

@@ -1,16 +1,17 @@
 //! Multi-adapter batched compute: what the broker executes.
 //!
 //! One pass through the frozen base serves a batch whose rows name different
-//! adapters (or none). Rows are grouped by adapter into contiguous segments, as
-//! SGMV does: each segment is shrunk to rank r by its A, expanded by its B and
-//! added to the frozen projection's output.
+//! adapters (or none): each row is shrunk to rank r by its adapter's A,
+//! expanded by its B and added to the frozen projection's output
+//! ([`RowAdapters`]). Rows are ordered by adapter id before anything runs, so
+//! results never depend on request order.
 
 mod generate;
-mod segments;
+mod row_adapters;
 mod train;
 
 pub use generate::{generate, sample_token, GenRequest, Generation, Sampling, StopReason};
-pub use segments::{AdapterId, AdapterSet, RowAdapters};
+pub use row_adapters::{AdapterId, AdapterSet, RowAdapters};
 pub use train::{
     logprobs, train_step, ScoreRow, TrainConfig, TrainOutput, TrainRow, TrainStats, DEFAULT_CLIP,
     DEFAULT_TOKEN_BUDGET,

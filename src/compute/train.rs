@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor, D};
 
-use super::segments::{AdapterId, AdapterSet, RowAdapters};
+use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
 use crate::base::{Llama, Positions};
 use crate::lora::AdapterGrads;
@@ -75,7 +75,10 @@ pub struct TrainOutput {
 
 /// The scored positions of one row: `(token index t, target token)`.
 fn scored(tokens: &[u32], keep: impl Fn(usize) -> bool) -> Vec<(usize, u32)> {
-    (1..tokens.len()).filter(|&t| keep(t)).map(|t| (t, tokens[t])).collect()
+    (1..tokens.len())
+        .filter(|&t| keep(t))
+        .map(|t| (t, tokens[t]))
+        .collect()
 }
 
 /// Split rows (already ordered) into micro-batches whose padded size fits `budget`.
@@ -152,11 +155,19 @@ fn by_adapter<K: Ord + Copy>(keys: &[K]) -> Vec<usize> {
 }
 
 /// Per-token log-probabilities; `result[i][j]` is for `rows[i].tokens[score_from + j]`.
-pub fn logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoreRow], token_budget: usize) -> Result<Vec<Vec<f32>>> {
+pub fn logprobs(
+    model: &Llama,
+    adapters: &AdapterSet,
+    rows: &[ScoreRow],
+    token_budget: usize,
+) -> Result<Vec<Vec<f32>>> {
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
         if r.score_from == 0 || r.score_from > r.tokens.len() {
-            return Err(Error::BadRow { row: i, reason: format!("score_from {} outside 1..={}", r.score_from, r.tokens.len()) });
+            return Err(Error::BadRow {
+                row: i,
+                reason: format!("score_from {} outside 1..={}", r.score_from, r.tokens.len()),
+            });
         }
     }
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
@@ -167,10 +178,16 @@ pub fn logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoreRow], token_b
             .iter()
             .map(|&i| {
                 let r = &rows[i];
-                (r.adapter, r.tokens.as_slice(), scored(&r.tokens, |t| t >= r.score_from))
+                (
+                    r.adapter,
+                    r.tokens.as_slice(),
+                    scored(&r.tokens, |t| t >= r.score_from),
+                )
             })
             .collect();
-        let values = scored_logprobs(model, adapters, &batch)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let values = scored_logprobs(model, adapters, &batch)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
         let mut offset = 0;
         for (&i, (_, _, s)) in order[range].iter().zip(&batch) {
             out[i] = values[offset..offset + s.len()].to_vec();
@@ -194,7 +211,9 @@ fn check_train_row(i: usize, r: &TrainRow) -> Result<()> {
     if r.loss_mask.first() == Some(&true) {
         return bad("loss_mask[0] is set, but the first token has no prefix".into());
     }
-    if let Some(t) = (0..n).find(|&t| r.loss_mask[t] && !(r.advantages[t].is_finite() && r.old_logprobs[t].is_finite())) {
+    if let Some(t) = (0..n).find(|&t| {
+        r.loss_mask[t] && !(r.advantages[t].is_finite() && r.old_logprobs[t].is_finite())
+    }) {
         return bad(format!("non-finite advantage or old log-prob at token {t}"));
     }
     Ok(())
@@ -203,14 +222,20 @@ fn check_train_row(i: usize, r: &TrainRow) -> Result<()> {
 /// The PPO-clip token-mean loss of every adapter, and its gradients:
 /// `L_a = mean over a's masked tokens of -min(ρ·Â, clip(ρ, 1-ε, 1+ε)·Â)`,
 /// `ρ = exp(log π - log π_old)`. No KL term (AZR).
-pub fn train_step(model: &Llama, adapters: &AdapterSet, rows: &[TrainRow], config: TrainConfig) -> Result<TrainOutput> {
+pub fn train_step(
+    model: &Llama,
+    adapters: &AdapterSet,
+    rows: &[TrainRow],
+    config: TrainConfig,
+) -> Result<TrainOutput> {
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
         check_train_row(i, r)?;
     }
     let mut tokens_per_adapter: BTreeMap<AdapterId, usize> = BTreeMap::new();
     for r in rows {
-        *tokens_per_adapter.entry(r.adapter).or_default() += r.loss_mask.iter().filter(|&&m| m).count();
+        *tokens_per_adapter.entry(r.adapter).or_default() +=
+            r.loss_mask.iter().filter(|&&m| m).count();
     }
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
     let lens: Vec<usize> = order.iter().map(|&i| rows[i].tokens.len()).collect();
@@ -220,9 +245,16 @@ pub fn train_step(model: &Llama, adapters: &AdapterSet, rows: &[TrainRow], confi
         let rows_here: Vec<&TrainRow> = order[range].iter().map(|&i| &rows[i]).collect();
         let batch: Vec<_> = rows_here
             .iter()
-            .map(|r| (Some(r.adapter), r.tokens.as_slice(), scored(&r.tokens, |t| r.loss_mask[t])))
+            .map(|r| {
+                (
+                    Some(r.adapter),
+                    r.tokens.as_slice(),
+                    scored(&r.tokens, |t| r.loss_mask[t]),
+                )
+            })
             .collect();
-        let (mut adv, mut old, mut weight, mut owner) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut adv, mut old, mut weight, mut owner) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (r, (_, _, s)) in rows_here.iter().zip(&batch) {
             let n = tokens_per_adapter[&r.adapter].max(1) as f32;
             for &(t, _) in s {
@@ -246,7 +278,14 @@ pub fn train_step(model: &Llama, adapters: &AdapterSet, rows: &[TrainRow], confi
         let loss = (&per_token * vector(&weight)?)?.sum_all()?;
         let grads = loss.backward()?;
         accumulate(&mut out.grads, adapters, &rows_here, &grads)?;
-        record_stats(&mut out.stats, &owner, &per_token, &ratio, &weight, config.clip)?;
+        record_stats(
+            &mut out.stats,
+            &owner,
+            &per_token,
+            &ratio,
+            &weight,
+            config.clip,
+        )?;
         out.micro_batches += 1;
     }
     Ok(out)
@@ -265,8 +304,14 @@ fn accumulate(
         let entry = acc.entry(id).or_default();
         for (key, m) in &adapter.modules {
             let zeros = |t: &Tensor| Tensor::zeros(t.dims(), t.dtype(), t.device());
-            let ga = grads.get(m.a.as_tensor()).cloned().map_or_else(|| zeros(m.a.as_tensor()), Ok)?;
-            let gb = grads.get(m.b.as_tensor()).cloned().map_or_else(|| zeros(m.b.as_tensor()), Ok)?;
+            let ga = grads
+                .get(m.a.as_tensor())
+                .cloned()
+                .map_or_else(|| zeros(m.a.as_tensor()), Ok)?;
+            let gb = grads
+                .get(m.b.as_tensor())
+                .cloned()
+                .map_or_else(|| zeros(m.b.as_tensor()), Ok)?;
             match entry.get_mut(key) {
                 Some((a, b)) => {
                     *a = (&*a + ga)?;
@@ -316,5 +361,4 @@ mod tests {
         assert_eq!(micro_batches(&[100, 3], 40), vec![0..1, 1..2]);
         assert!(micro_batches(&[], 40).is_empty());
     }
-
 }

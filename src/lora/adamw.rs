@@ -159,13 +159,16 @@ impl AdamW {
         t: u64,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
-        let m = ((m * c.beta1)? + (grad * (1.0 - c.beta1))?)?;
-        let v = ((v * c.beta2)? + (grad.sqr()? * (1.0 - c.beta2))?)?;
+        // Detached so that stored moments never hold a backprop graph that
+        // would chain every earlier step's tensors together.
+        let (param, grad) = (param.detach(), grad.detach());
+        let m = ((m * c.beta1)? + (&grad * (1.0 - c.beta1))?)?.detach();
+        let v = ((v * c.beta2)? + (grad.sqr()? * (1.0 - c.beta2))?)?.detach();
         let t = i32::try_from(t).unwrap_or(i32::MAX);
         let m_hat = (&m / (1.0 - c.beta1.powi(t)))?;
         let v_hat = (&v / (1.0 - c.beta2.powi(t)))?;
         let direction = (m_hat / (v_hat.sqrt()? + c.eps)?)?;
-        let decayed = (param * (1.0 - c.lr * c.weight_decay))?;
+        let decayed = (&param * (1.0 - c.lr * c.weight_decay))?;
         let param = (decayed - (direction * c.lr)?)?;
         Ok((param, m, v))
     }

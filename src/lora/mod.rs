@@ -12,11 +12,13 @@ mod peft;
 mod shape;
 mod store;
 
-pub use adapter::{Adapter, LoraConfig, LoraModule, ModuleKey, Target};
 pub use adamw::{
     clip_grad_norm, grad_norm, AdamW, AdamWConfig, AdapterGrads, Moments, StepReport,
     OPTIMIZER_META, OPTIMIZER_TENSORS,
 };
+pub use adapter::{Adapter, LoraConfig, LoraModule, ModuleKey, Target};
 pub use error::{Error, Result};
-pub use peft::{export_peft, import_peft, peft_key, read_peft, PeftAdapter, PEFT_CONFIG, PEFT_TENSORS};
+pub use peft::{
+    export_peft, import_peft, peft_key, read_peft, PeftAdapter, PEFT_CONFIG, PEFT_TENSORS,
+};
 pub use store::{same_model_name, shape_fingerprint, BaseRef, ADAPTER_META, ADAPTER_TENSORS};

@@ -270,7 +270,7 @@ impl VerifierPool {
     pub fn batch(&self, jobs: &[Job]) -> Vec<Result<Outcome, Error>> {
         let next = AtomicUsize::new(0);
         let threads = self.config.workers.min(jobs.len());
-        let mut indexed: Vec<(usize, Result<Outcome, Error>)> = std::thread::scope(|scope| {
+        let finished: Vec<(usize, Result<Outcome, Error>)> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..threads)
                 .map(|_| {
                     scope.spawn(|| {
@@ -289,8 +289,15 @@ impl VerifierPool {
                 .flat_map(|h| h.join().unwrap_or_default())
                 .collect()
         });
-        indexed.sort_by_key(|(i, _)| *i);
-        indexed.into_iter().map(|(_, r)| r).collect()
+        let mut slots: Vec<Option<Result<Outcome, Error>>> =
+            (0..jobs.len()).map(|_| None).collect();
+        for (i, result) in finished {
+            slots[i] = Some(result);
+        }
+        slots
+            .into_iter()
+            .map(|slot| slot.unwrap_or_else(|| Err(Error::Job("a worker thread panicked".into()))))
+            .collect()
     }
 
     fn compare(&self, pairs: &[(&str, &str)], earlier_ms: f64) -> Result<Judgement, Error> {

@@ -36,7 +36,8 @@ fn adapters(base: &BaseModel) -> anyhow::Result<Vec<Adapter>> {
     (0..ADAPTERS as u64)
         .map(|i| {
             let mut rng = keyed_stream!(i, "bench-adapter");
-            let adapter = Adapter::new(LoraConfig::default(), base.config(), &mut rng, &Device::Cpu)?;
+            let adapter =
+                Adapter::new(LoraConfig::default(), base.config(), &mut rng, &Device::Cpu)?;
             for m in adapter.modules.values() {
                 let n = m.b.elem_count();
                 let values: Vec<f32> = (0..n).map(|_| rng.random_range(-1e-3f32..1e-3)).collect();
@@ -50,14 +51,20 @@ fn adapters(base: &BaseModel) -> anyhow::Result<Vec<Adapter>> {
 fn prompts(base: &BaseModel, n: usize) -> anyhow::Result<Vec<Vec<u32>>> {
     (0..n)
         .map(|i| {
-            let text = format!("Write a Python function number {i} that counts the vowels in a string.");
+            let text =
+                format!("Write a Python function number {i} that counts the vowels in a string.");
             Ok(base.tokenizer.encode_chat(&[Message::new("user", text)])?)
         })
         .collect()
 }
 
 /// Decode tokens/s for `rows` = (adapter, prompt) in one batch.
-fn decode(base: &BaseModel, set: &AdapterSet, rows: &[(u64, Vec<u32>)], tokens: usize) -> anyhow::Result<(usize, f64)> {
+fn decode(
+    base: &BaseModel,
+    set: &AdapterSet,
+    rows: &[(u64, Vec<u32>)],
+    tokens: usize,
+) -> anyhow::Result<(usize, f64)> {
     let requests = rows
         .iter()
         .map(|(a, p)| GenRequest {
@@ -71,7 +78,10 @@ fn decode(base: &BaseModel, set: &AdapterSet, rows: &[(u64, Vec<u32>)], tokens: 
         .collect();
     let start = Instant::now();
     let out = compute::generate(&base.model, set, requests)?;
-    Ok((out.iter().map(|g| g.tokens.len()).sum(), start.elapsed().as_secs_f64()))
+    Ok((
+        out.iter().map(|g| g.tokens.len()).sum(),
+        start.elapsed().as_secs_f64(),
+    ))
 }
 
 /// f32 GEMM rate of this machine through candle, GFLOP/s (best of 5).
@@ -109,8 +119,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         set = set.with(i as u64, a);
     }
     let prompts = prompts(&base, ADAPTERS * ROWS_PER_ADAPTER)?;
-    let multi_rows: Vec<(u64, Vec<u32>)> =
-        prompts.iter().enumerate().map(|(i, p)| ((i / ROWS_PER_ADAPTER) as u64, p.clone())).collect();
+    let multi_rows: Vec<(u64, Vec<u32>)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ((i / ROWS_PER_ADAPTER) as u64, p.clone()))
+        .collect();
     let single_rows: Vec<(u64, Vec<u32>)> = prompts.iter().map(|p| (0, p.clone())).collect();
     decode(&base, &set, &multi_rows[..2], 2)?; // warm-up
 
@@ -132,7 +145,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let rows: Vec<TrainRow> = (0..ADAPTERS * ROWS_PER_ADAPTER)
         .map(|i| TrainRow {
             adapter: (i / ROWS_PER_ADAPTER) as u64,
-            tokens: (0..len).map(|_| rng.random_range(0..base.config().vocab_size as u32)).collect(),
+            tokens: (0..len)
+                .map(|_| rng.random_range(0..base.config().vocab_size as u32))
+                .collect(),
             loss_mask: (0..len).map(|t| t >= len - scored).collect(),
             advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
             old_logprobs: vec![-10.0; len],

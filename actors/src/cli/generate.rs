@@ -49,7 +49,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tok.encode_chat(&[Message::new("user", args.prompt.clone())])?
     };
     let sampling = match args.temperature {
-        Some(t) if !args.greedy => Sampling { temperature: t, top_p: args.top_p },
+        Some(t) if !args.greedy => Sampling {
+            temperature: t,
+            top_p: args.top_p,
+        },
         _ => Sampling::GREEDY,
     };
     let request = GenRequest {
@@ -85,7 +88,9 @@ pub struct BenchArgs {
 fn bench_prompts(base: &BaseModel) -> anyhow::Result<Vec<Vec<u32>>> {
     (0..32)
         .map(|i| {
-            let text = format!("Write a Python function number {i} that adds {i} to each element of a list.");
+            let text = format!(
+                "Write a Python function number {i} that adds {i} to each element of a list."
+            );
             Ok(base.tokenizer.encode_chat(&[Message::new("user", text)])?)
         })
         .collect()
