@@ -78,8 +78,7 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
     // 32 greedy tokens, peer vs ours, with no stop tokens.
     let mut peer_tokens = Vec::new();
     let mut logits = peer_logits;
-    let mut pos = prompt.len();
-    for _ in 0..32 {
+    for pos in prompt.len()..prompt.len() + 32 {
         let next = logits.argmax(0).unwrap().to_scalar::<u32>().unwrap();
         peer_tokens.push(next);
         let x = Tensor::new(&[next], &Device::Cpu)
@@ -87,7 +86,6 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
             .unsqueeze(0)
             .unwrap();
         logits = peer.forward(&x, pos).unwrap().squeeze(0).unwrap();
-        pos += 1;
     }
     let request = GenRequest {
         adapter: None,

@@ -129,7 +129,11 @@ fn config_of(r: &Reader) -> Result<ModelConfig> {
         Err(Error::MissingField { .. }) => heads,
         Err(e) => return Err(e),
     };
-    if heads == 0 || kv_heads == 0 || hidden % heads != 0 || heads % kv_heads != 0 {
+    if heads == 0
+        || kv_heads == 0
+        || !hidden.is_multiple_of(heads)
+        || !heads.is_multiple_of(kv_heads)
+    {
         return Err(Error::bad_file(
             r.path,
             format!("inconsistent heads: hidden {hidden}, heads {heads}, kv heads {kv_heads}"),

@@ -56,7 +56,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     };
     let heads = hf.num_attention_heads;
     let kv_heads = hf.num_key_value_heads.unwrap_or(heads);
-    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+    if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(Error::bad_file(
             &path,
             format!("heads {heads} not a multiple of kv heads {kv_heads}"),

@@ -1,13 +1,15 @@
 //! Per-row adapters: the LoRA hook of a mixed batch.
 //!
-//! For every module, the factors of the adapters a batch uses are stacked once
-//! (`[n, r, in]`, `[n, out, r]`, B pre-scaled, ranks zero-padded to the largest)
-//! and gathered by each row's adapter slot, so one batched shrink and one
-//! batched expand serve all rows whatever their adapters (BGMV in Punica's
-//! terms). Rows without an adapter gather an all-zero slot. When every row uses
-//! the same adapter the gather is skipped and the rows are flattened into one
-//! plain GEMM. Gradients flow through stack and gather back to each adapter's
-//! factors.
+//! For every module, the factors of the adapters a batch uses are concatenated
+//! once along the rank axis (`A_cat [n·r, in]`, `B_cat [out, n·r]`, B
+//! pre-scaled, ranks zero-padded to the largest). One GEMM shrinks every row
+//! against all adapters, a one-hot mask keeps each row's own block of rank
+//! coordinates, and one GEMM expands: `Δ = ((x·A_catᵀ) ⊙ mask_row)·B_catᵀ`.
+//! The extra shrink work is `n·r` columns instead of `r`, small next to the
+//! frozen projection, and two large GEMMs beat many tiny per-adapter ones on a
+//! CPU. Masked coordinates are exact zeros, so each row equals its
+//! single-adapter pass. Gradients flow through the concatenation back to each
+//! adapter's factors.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -69,17 +71,19 @@ impl<'a> AdapterSet<'a> {
     }
 }
 
-/// One module's factors for the rows of a batch, transposed for `x·Aᵀ·Bᵀ`.
-enum RowFactors {
-    /// Every row uses the same adapter: `[in, r]`, `[r, out]` (scaled).
-    Shared(Tensor, Tensor),
-    /// Gathered per row: `[rows, in, r]`, `[rows, r, out]` (scaled).
-    PerRow(Tensor, Tensor),
+/// One module's factors for a batch, transposed for `x·Aᵀ·Bᵀ`:
+/// `A_catᵀ [in, n·r]`, `B_catᵀ [n·r, out]` (scaled).
+struct ModuleFactors {
+    a_t: Tensor,
+    b_t: Tensor,
 }
 
 /// The per-row adapter assignment of a batch.
 pub struct RowAdapters {
-    modules: BTreeMap<ModuleKey, RowFactors>,
+    modules: BTreeMap<ModuleKey, ModuleFactors>,
+    /// `[rows, 1, n·r]`: 1 on the row's own adapter block; `None` when every
+    /// row uses the one adapter of the batch.
+    mask: Option<Tensor>,
 }
 
 impl RowAdapters {
@@ -96,33 +100,44 @@ impl RowAdapters {
         used.sort_unstable();
         used.dedup();
         let adapters: Vec<&Adapter> = used.iter().map(|id| set.adapters[id]).collect();
-        let zero_slot = rows.iter().any(Option::is_none);
-        let shared = used.len() == 1 && !zero_slot;
-        let slots: Vec<u32> = rows
-            .iter()
-            .map(|r| r.map_or(used.len(), |id| used.binary_search(&id).unwrap_or(0)) as u32)
-            .collect();
+        let rank = adapters.iter().map(|a| a.config.rank).max().unwrap_or(0);
         let keys: BTreeSet<ModuleKey> = adapters
             .iter()
             .flat_map(|a| a.modules.keys().copied())
             .collect();
-        let rank = adapters.iter().map(|a| a.config.rank).max().unwrap_or(0);
         let mut modules = BTreeMap::new();
         for key in keys {
-            let factors = if shared {
-                let (a, b) = scaled(adapters[0], key, rank)?.expect("key comes from this adapter");
-                RowFactors::Shared(a.t()?.contiguous()?, b.t()?.contiguous()?)
-            } else {
-                let (a, b) = gathered(&adapters, key, rank, zero_slot, &slots)?;
-                RowFactors::PerRow(
-                    a.transpose(1, 2)?.contiguous()?,
-                    b.transpose(1, 2)?.contiguous()?,
-                )
+            let (a_cat, b_cat) = concatenated(&adapters, key, rank)?;
+            let factors = ModuleFactors {
+                a_t: a_cat.t()?.contiguous()?,
+                b_t: b_cat.t()?.contiguous()?,
             };
             modules.insert(key, factors);
         }
-        Ok(RowAdapters { modules })
+        let everyone_shares_one = used.len() == 1 && rows.iter().all(Option::is_some);
+        let mask = match (everyone_shares_one, modules.values().next()) {
+            (false, Some(m)) => Some(row_mask(rows, &used, rank, &m.a_t)?),
+            _ => None,
+        };
+        Ok(RowAdapters { modules, mask })
     }
+}
+
+/// `[rows, 1, n·rank]` with ones on each row's adapter block.
+fn row_mask(
+    rows: &[Option<AdapterId>],
+    used: &[AdapterId],
+    rank: usize,
+    like: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let width = used.len() * rank;
+    let mut mask = vec![0f32; rows.len() * width];
+    for (r, adapter) in rows.iter().enumerate() {
+        if let Some(slot) = adapter.and_then(|id| used.binary_search(&id).ok()) {
+            mask[r * width + slot * rank..r * width + (slot + 1) * rank].fill(1.0);
+        }
+    }
+    Tensor::from_vec(mask, (rows.len(), 1, width), like.device())?.to_dtype(like.dtype())
 }
 
 /// `(A, s·B)` of `key` in `adapter`, zero-padded to `rank`, or `None` when absent.
@@ -140,39 +155,28 @@ fn scaled(
     Ok(Some((a, b)))
 }
 
-/// Stack the adapters' factors of `key` (plus a zero slot) and gather by row.
-fn gathered(
+/// The adapters' factors of `key` side by side along the rank axis
+/// (zeros for an adapter without the module).
+fn concatenated(
     adapters: &[&Adapter],
     key: ModuleKey,
     rank: usize,
-    zero_slot: bool,
-    slots: &[u32],
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let present: Vec<_> = adapters
         .iter()
         .map(|a| scaled(a, key, rank))
         .collect::<candle_core::Result<_>>()?;
-    let (like_a, like_b) = present
-        .iter()
-        .flatten()
-        .next()
-        .expect("some adapter has the module");
+    let Some((like_a, like_b)) = present.iter().flatten().next() else {
+        candle_core::bail!("no adapter of the batch has module {key}")
+    };
     let (zero_a, zero_b) = (like_a.zeros_like()?, like_b.zeros_like()?);
-    let mut a_stack = Vec::with_capacity(adapters.len() + 1);
-    let mut b_stack = Vec::with_capacity(adapters.len() + 1);
+    let (mut a_parts, mut b_parts) = (Vec::new(), Vec::new());
     for p in &present {
         let (a, b) = p.as_ref().map_or((&zero_a, &zero_b), |(a, b)| (a, b));
-        a_stack.push(a.clone());
-        b_stack.push(b.clone());
+        a_parts.push(a.clone());
+        b_parts.push(b.clone());
     }
-    if zero_slot {
-        a_stack.push(zero_a);
-        b_stack.push(zero_b);
-    }
-    let index = Tensor::new(slots, like_a.device())?;
-    let a = Tensor::stack(&a_stack, 0)?.index_select(&index, 0)?;
-    let b = Tensor::stack(&b_stack, 0)?.index_select(&index, 0)?;
-    Ok((a, b))
+    Ok((Tensor::cat(&a_parts, 0)?, Tensor::cat(&b_parts, 1)?))
 }
 
 impl LoraHook for RowAdapters {
@@ -182,17 +186,19 @@ impl LoraHook for RowAdapters {
         target: Target,
         x: &Tensor,
     ) -> crate::base::Result<Option<Tensor>> {
-        let Some(factors) = self.modules.get(&ModuleKey { layer, target }) else {
+        let Some(f) = self.modules.get(&ModuleKey { layer, target }) else {
             return Ok(None);
         };
         let (rows, tokens, in_dim) = x.dims3()?;
-        let delta = match factors {
-            RowFactors::Shared(at, bt) => {
-                let flat = x.reshape((rows * tokens, in_dim))?.matmul(at)?.matmul(bt)?;
-                flat.reshape((rows, tokens, bt.dim(D::Minus1)?))?
-            }
-            RowFactors::PerRow(at, bt) => x.contiguous()?.matmul(at)?.matmul(bt)?,
+        let shrunk = x.reshape((rows * tokens, in_dim))?.matmul(&f.a_t)?;
+        let shrunk = match &self.mask {
+            Some(mask) => shrunk
+                .reshape((rows, tokens, ()))?
+                .broadcast_mul(mask)?
+                .reshape((rows * tokens, ()))?,
+            None => shrunk,
         };
-        Ok(Some(delta))
+        let out = shrunk.matmul(&f.b_t)?;
+        Ok(Some(out.reshape((rows, tokens, out.dim(D::Minus1)?))?))
     }
 }

@@ -102,13 +102,12 @@ fn micro_batches(lens: &[usize], budget: usize) -> Vec<std::ops::Range<usize>> {
     out
 }
 
+/// A row of a micro-batch: its adapter, tokens and scored `(position, target)` pairs.
+type ScoredRow<'a> = (Option<AdapterId>, &'a [u32], Vec<(usize, u32)>);
+
 /// One micro-batch through the model: log-probabilities at the scored
 /// positions, `[n_scored]`, in row order then position order.
-fn scored_logprobs(
-    model: &Llama,
-    adapters: &AdapterSet,
-    rows: &[(Option<AdapterId>, &[u32], Vec<(usize, u32)>)],
-) -> Result<Tensor> {
+fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
     let device = model.device();
     let width = rows.iter().map(|r| r.1.len()).max().unwrap_or(0);
     let mut flat = Vec::with_capacity(rows.len() * width);

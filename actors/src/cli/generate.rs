@@ -125,11 +125,9 @@ fn peer_tok_s(path: &Path, prompt: &[u32], tokens: usize) -> anyhow::Result<f64>
     let start = Instant::now();
     let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
     let mut logits = model.forward(&input, 0)?;
-    let mut pos = prompt.len();
-    for _ in 0..tokens {
+    for pos in prompt.len()..prompt.len() + tokens {
         let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
         logits = model.forward(&Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?, pos)?;
-        pos += 1;
     }
     Ok(tokens as f64 / start.elapsed().as_secs_f64())
 }
