@@ -21,8 +21,9 @@ use super::files::{
     encode_safetensors, read_json, read_safetensors, to_json_bytes, write_atomically,
 };
 use super::shape::{FACTOR_A, FACTOR_B};
-use super::store::{hash_str, hash_tensor, hex, tensor_key};
+use super::store::{hash_str, hash_tensor, tensor_key};
 use super::{Adapter, ModuleKey};
+use crate::base::fetch::hex;
 
 /// Gradients of one adapter: `(dA, dB)` per module, shaped like `(A, B)`.
 pub type AdapterGrads = BTreeMap<ModuleKey, (Tensor, Tensor)>;

@@ -18,6 +18,7 @@ use super::error::{Error, Result};
 use super::files::{f32_bytes, read_json, read_safetensors, to_json_bytes, write_atomically};
 use super::shape::{FACTOR_A, FACTOR_B};
 use super::{Adapter, LoraConfig, LoraModule, ModuleKey};
+use crate::base::fetch::hex;
 use crate::base::ModelConfig;
 
 pub const ADAPTER_TENSORS: &str = "adapter.safetensors";
@@ -249,10 +250,6 @@ pub(crate) fn module_from(a: &Tensor, b: &Tensor) -> Result<LoraModule> {
         a: Var::from_tensor(&a.detach())?,
         b: Var::from_tensor(&b.detach())?,
     })
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(crate) fn hash_str(h: &mut Sha256, s: &str) {
