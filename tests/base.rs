@@ -47,15 +47,7 @@ fn gguf_round_trip_undoes_the_qk_permutation() {
     let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
     let dir = tmpdir("gguf-rt");
     let path = dir.join("tiny.gguf");
-    gguf::write(
-        &path,
-        &model,
-        &vocab.tokens,
-        &vocab.merges,
-        &vocab.special,
-        TINY_CHAT_TEMPLATE,
-    )
-    .unwrap();
+    vocab.write_gguf(&path, &model).unwrap();
     let loaded = BaseModel::load(&path).unwrap();
     assert_eq!(loaded.config(), &model.config);
     let d = max_abs_diff(&logits(&model, &TOKENS), &logits(&loaded.model, &TOKENS));
@@ -115,15 +107,7 @@ fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
     assert!(d < 1e-4, "ours vs candle-transformers llama: {d}");
 
     let gguf_path = dir.join("same.gguf");
-    gguf::write(
-        &gguf_path,
-        &model,
-        &vocab.tokens,
-        &vocab.merges,
-        &vocab.special,
-        TINY_CHAT_TEMPLATE,
-    )
-    .unwrap();
+    vocab.write_gguf(&gguf_path, &model).unwrap();
     let from_gguf = BaseModel::load(&gguf_path).unwrap();
     let d = max_abs_diff(
         &logits(&from_gguf.model, &TOKENS),

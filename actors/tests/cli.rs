@@ -3,23 +3,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use populora::base::gguf;
-use populora::base::tiny::{self, TinySpec, TINY_CHAT_TEMPLATE};
+use populora::base::tiny::{self, TinySpec};
 
 fn tiny_gguf(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("populora-cli-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tiny.gguf");
     let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
-    gguf::write(
-        &path,
-        &model,
-        &vocab.tokens,
-        &vocab.merges,
-        &vocab.special,
-        TINY_CHAT_TEMPLATE,
-    )
-    .unwrap();
+    vocab.write_gguf(&path, &model).unwrap();
     path
 }
 

@@ -69,6 +69,18 @@ impl TinyVocab {
         }
     }
 
+    /// Write `model` with this vocabulary as a Llama GGUF file.
+    pub fn write_gguf(&self, path: &std::path::Path, model: &Llama) -> Result<()> {
+        super::gguf::write(
+            path,
+            model,
+            &self.tokens,
+            &self.merges,
+            &self.special,
+            TINY_CHAT_TEMPLATE,
+        )
+    }
+
     pub fn tokenizer(&self) -> Result<Tokenizer> {
         Tokenizer::from_bpe(
             &self.tokens,
