@@ -9,14 +9,20 @@
 //! | [`evolve`] | rank-preserving weight-space operators |
 //! | [`verify`] | the Python sandbox and program checks |
 //! | [`task`] | AZR triplets, task kinds, prompts, answer parsing, buffers |
+//! | [`rating`] | TrueSkill ratings and near-balanced (PFSP) matchmaking |
 //! | [`rl`] | rewards, TRR++ advantages, PPO-clip token loss |
+//! | [`scenario`] | the scenario schema, defaults, validation |
+//! | [`selfplay`] | one self-play step as plain function calls (phases, rewards, update) |
 //! | [`rng`] | seeded ChaCha streams |
 
 pub mod base;
 pub mod compute;
 pub mod evolve;
 pub mod lora;
+pub mod rating;
 pub mod rl;
 pub mod rng;
+pub mod scenario;
+pub mod selfplay;
 pub mod task;
 pub mod verify;

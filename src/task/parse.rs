@@ -60,6 +60,26 @@ pub enum FormatError {
     EmptyMessage,
 }
 
+impl FormatError {
+    /// A short stable name for metrics (the serde tag without data).
+    pub fn code(&self) -> &'static str {
+        match self {
+            FormatError::NoAnswerTag => "no_answer_tag",
+            FormatError::UnclosedAnswer => "unclosed_answer",
+            FormatError::NoAnswerBlock(_) => "no_answer_block",
+            FormatError::EmptyAnswer => "empty_answer",
+            FormatError::NoProgramBlock => "no_program_block",
+            FormatError::NoFunction => "no_function",
+            FormatError::MultipleFunctions { .. } => "multiple_functions",
+            FormatError::NoInputBlock => "no_input_block",
+            FormatError::EmptyInput => "empty_input",
+            FormatError::TooFewInputs { .. } => "too_few_inputs",
+            FormatError::NoMessage => "no_message",
+            FormatError::EmptyMessage => "empty_message",
+        }
+    }
+}
+
 /// A deduction or abduction proposal: one program defining `f`, one input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Proposal {

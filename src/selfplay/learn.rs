@@ -1,0 +1,134 @@
+//! Rewards, TRR++ advantages and the optimizer update.
+//!
+//! Every response becomes an [`Episode`] with its AZR reward: a solver's
+//! 1 / −0.5 / −1, a proposer's learnability `1 − acc` (acc from its matched
+//! solvers' rollouts) / −0.5 / −1. TRR++ normalises rewards within each
+//! (task kind × role) group over the whole step's batch, so in a population
+//! the members share one baseline per group, and broadcasts each episode's
+//! advantage to all its response tokens.
+
+use std::collections::BTreeMap;
+
+use super::{MemberId, ProposalResult, Result, SolveResult, Verdict};
+use super::{Problem, Settings};
+use crate::compute::TrainRow;
+use crate::lora::{clip_grad_norm, AdamW, Adapter, AdapterGrads, StepReport};
+use crate::rl::advantage::{group_stats, GroupStats};
+use crate::rl::{proposer_reward, solver_reward, trr_plus_plus, ProposerOutcome, Rollout};
+use crate::task::{Role, TaskKind};
+
+/// One response with its reward, as training sees it.
+#[derive(Debug, Clone)]
+pub struct Episode {
+    pub member: MemberId,
+    pub kind: TaskKind,
+    pub role: Role,
+    pub prompt: Vec<u32>,
+    pub response: Vec<u32>,
+    /// log π(response token) at sampling time: PPO's old log-probs.
+    pub logprobs: Vec<f32>,
+    pub reward: f64,
+}
+
+/// Proposer episodes (in proposal order), then solver episodes (in solve order).
+pub fn episodes(
+    settings: &Settings,
+    proposals: &[ProposalResult],
+    problems: &[Problem],
+    solves: &[SolveResult],
+) -> Vec<Episode> {
+    let mut results_of: BTreeMap<usize, Vec<crate::rl::SolverOutcome>> = BTreeMap::new();
+    for s in solves {
+        if let Some(i) = problems[s.job.problem].proposal {
+            results_of.entry(i).or_default().push(s.outcome);
+        }
+    }
+    let proposer = proposals.iter().enumerate().map(|(i, p)| {
+        let outcome = match &p.verdict {
+            Verdict::Malformed(_) => ProposerOutcome::Malformed,
+            Verdict::Invalid { .. } => ProposerOutcome::Invalid,
+            Verdict::Valid { .. } => ProposerOutcome::Valid {
+                solver_results: results_of.remove(&i).unwrap_or_default(),
+            },
+        };
+        Episode {
+            member: p.job.author,
+            kind: p.job.kind,
+            role: Role::Proposer,
+            prompt: p.job.tokens.clone(),
+            response: p.generation.tokens.clone(),
+            logprobs: p.generation.logprobs.clone(),
+            reward: proposer_reward(&outcome, &settings.rewards),
+        }
+    });
+    let solver = solves.iter().map(|s| {
+        let problem = &problems[s.job.problem];
+        Episode {
+            member: s.job.solver,
+            kind: problem.task.kind(),
+            role: Role::Solver,
+            prompt: problem.tokens.clone(),
+            response: s.generation.tokens.clone(),
+            logprobs: s.generation.logprobs.clone(),
+            reward: solver_reward(s.outcome, &settings.rewards),
+        }
+    });
+    proposer.chain(solver).collect()
+}
+
+/// Train rows with TRR++ advantages, and the group statistics behind them.
+#[derive(Debug, Clone)]
+pub struct TrainBatch {
+    pub rows: Vec<TrainRow>,
+    pub advantages: Vec<f64>,
+    pub groups: Vec<GroupStats>,
+}
+
+/// TRR++ over all `episodes`, then one train row per non-empty response:
+/// prompt and response tokens, the loss on response tokens only.
+pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatch> {
+    let rollouts: Vec<Rollout> = episodes
+        .iter()
+        .map(|e| Rollout {
+            kind: e.kind,
+            role: e.role,
+            reward: e.reward,
+            tokens: e.response.len(),
+        })
+        .collect();
+    let advantages = trr_plus_plus(&rollouts, &settings.advantage)?;
+    let groups = group_stats(&rollouts)?;
+    let rows = episodes
+        .iter()
+        .zip(&advantages)
+        .filter(|(e, _)| !e.response.is_empty())
+        .map(|(e, &advantage)| {
+            let (p, r) = (e.prompt.len(), e.response.len());
+            TrainRow {
+                adapter: e.member,
+                tokens: [e.prompt.as_slice(), e.response.as_slice()].concat(),
+                loss_mask: (0..p + r).map(|t| t >= p).collect(),
+                advantages: (0..p + r).map(|t| if t >= p { advantage as f32 } else { 0.0 }).collect(),
+                old_logprobs: std::iter::repeat_n(0.0, p).chain(e.logprobs.iter().copied()).collect(),
+            }
+        })
+        .collect();
+    Ok(TrainBatch {
+        rows,
+        advantages,
+        groups,
+    })
+}
+
+/// Clip the gradients to `grad_clip` in global norm, then one AdamW step.
+pub fn apply_update(
+    adapter: &Adapter,
+    optimizer: &mut AdamW,
+    mut grads: AdapterGrads,
+    grad_clip: f64,
+) -> Result<StepReport> {
+    let norm = clip_grad_norm(&mut grads, grad_clip)?;
+    let mut report = optimizer.step(adapter, &grads)?;
+    report.grad_norm = norm;
+    Ok(report)
+}

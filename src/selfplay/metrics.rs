@@ -1,0 +1,172 @@
+//! What one step measured: the per-step line of `metrics.jsonl` (the runtime
+//! adds member names, ratings and fitness).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Episode, MemberId, ProposalResult, Settings, SolveResult, TrainBatch, Verdict};
+use crate::rl::reward::solve_rate;
+use crate::task::{Role, TaskKind};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupMetrics {
+    pub kind: TaskKind,
+    pub role: Role,
+    pub count: usize,
+    pub reward_mean: f64,
+    pub reward_std: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProposalCounts {
+    pub total: usize,
+    pub valid: usize,
+    /// Rejections by reason: `format.<code>` or the sandbox status name.
+    pub rejected: BTreeMap<String, usize>,
+}
+
+/// A valid program's complexity (for the dynamics plots).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgramMetrics {
+    pub author: MemberId,
+    pub kind: TaskKind,
+    pub ast_nodes: u32,
+    pub max_depth: u32,
+    pub node_types: u32,
+    pub cyclomatic: u32,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenMetrics {
+    pub prompt_mean: f64,
+    pub prompt_max: usize,
+    pub response_mean: f64,
+    /// Fraction of responses cut off by `max_new_tokens`.
+    pub truncated: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    /// Wall time per phase: propose, validate, solve, score, train.
+    pub phase_ms: BTreeMap<String, f64>,
+    pub groups: Vec<GroupMetrics>,
+    pub proposals: ProposalCounts,
+    /// Solver rollouts judged correct, per task kind (`None`: no rollouts).
+    pub solve_rate: BTreeMap<TaskKind, Option<f64>>,
+    /// Solver rollouts that could not be parsed, per task kind.
+    pub solver_format_errors: BTreeMap<TaskKind, Option<f64>>,
+    pub programs: Vec<ProgramMetrics>,
+    pub tokens: TokenMetrics,
+    /// Mean reward of each member's episodes this step.
+    pub member_reward: BTreeMap<MemberId, f64>,
+    /// Tokens trained per member.
+    pub train_tokens: BTreeMap<MemberId, usize>,
+    /// Gradient norm before clipping, per member.
+    pub grad_norm: BTreeMap<MemberId, f64>,
+}
+
+impl StepMetrics {
+    /// Everything but the timings and the update, from the step's data.
+    pub fn measure(
+        step: u64,
+        settings: &Settings,
+        proposals: &[ProposalResult],
+        solves: &[SolveResult],
+        solve_kinds: &[TaskKind],
+        episodes: &[Episode],
+        batch: &TrainBatch,
+    ) -> StepMetrics {
+        let mut counts = ProposalCounts {
+            total: proposals.len(),
+            ..Default::default()
+        };
+        let mut programs = Vec::new();
+        for p in proposals {
+            match (&p.verdict, p.verdict.rejection()) {
+                (Verdict::Valid { features, .. }, _) => {
+                    counts.valid += 1;
+                    if let Some(f) = features {
+                        programs.push(ProgramMetrics {
+                            author: p.job.author,
+                            kind: p.job.kind,
+                            ast_nodes: f.ast_nodes,
+                            max_depth: f.max_depth,
+                            node_types: f.node_types,
+                            cyclomatic: f.cyclomatic,
+                        });
+                    }
+                }
+                (_, Some(reason)) => *counts.rejected.entry(reason).or_default() += 1,
+                (_, None) => {}
+            }
+        }
+        let mut solve_rate_by_kind = BTreeMap::new();
+        let mut format_by_kind = BTreeMap::new();
+        for &kind in &settings.task_kinds {
+            let outcomes: Vec<_> = solves
+                .iter()
+                .zip(solve_kinds)
+                .filter(|(_, &k)| k == kind)
+                .map(|(s, _)| s.outcome)
+                .collect();
+            solve_rate_by_kind.insert(kind, solve_rate(&outcomes));
+            let malformed = outcomes
+                .iter()
+                .filter(|o| matches!(o, crate::rl::SolverOutcome::Malformed))
+                .count();
+            format_by_kind.insert(
+                kind,
+                (!outcomes.is_empty()).then(|| malformed as f64 / outcomes.len() as f64),
+            );
+        }
+        StepMetrics {
+            step,
+            groups: batch
+                .groups
+                .iter()
+                .map(|g| GroupMetrics {
+                    kind: g.kind,
+                    role: g.role,
+                    count: g.rollouts,
+                    reward_mean: g.mean,
+                    reward_std: g.std,
+                })
+                .collect(),
+            proposals: counts,
+            solve_rate: solve_rate_by_kind,
+            solver_format_errors: format_by_kind,
+            programs,
+            tokens: token_metrics(settings, episodes),
+            member_reward: member_means(episodes),
+            ..Default::default()
+        }
+    }
+}
+
+fn token_metrics(settings: &Settings, episodes: &[Episode]) -> TokenMetrics {
+    if episodes.is_empty() {
+        return TokenMetrics::default();
+    }
+    let n = episodes.len() as f64;
+    let stop_ended = |e: &Episode| e.response.len() < settings.max_new_tokens;
+    TokenMetrics {
+        prompt_mean: episodes.iter().map(|e| e.prompt.len()).sum::<usize>() as f64 / n,
+        prompt_max: episodes.iter().map(|e| e.prompt.len()).max().unwrap_or(0),
+        response_mean: episodes.iter().map(|e| e.response.len()).sum::<usize>() as f64 / n,
+        truncated: episodes.iter().filter(|e| !stop_ended(e)).count() as f64 / n,
+    }
+}
+
+fn member_means(episodes: &[Episode]) -> BTreeMap<MemberId, f64> {
+    let mut sums: BTreeMap<MemberId, (f64, usize)> = BTreeMap::new();
+    for e in episodes {
+        let s = sums.entry(e.member).or_default();
+        s.0 += e.reward;
+        s.1 += 1;
+    }
+    sums.into_iter()
+        .map(|(m, (sum, n))| (m, sum / n as f64))
+        .collect()
+}

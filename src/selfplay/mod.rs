@@ -1,0 +1,184 @@
+//! One Absolute-Zero self-play step as plain function calls.
+//!
+//! A step runs in phases; each phase is a function from plain data to plain
+//! data, so the runtime can put the compute phases on its broker and the
+//! verifier phases on its pool while [`run_step`] runs them all in-process:
+//!
+//! ```text
+//! proposal_jobs ─▶ generate ─▶ judge_proposals ─▶ accept (buffers)
+//!   ─▶ problems / solve_jobs ─▶ generate ─▶ judge_solutions
+//!   ─▶ episodes (rewards) ─▶ train_rows (TRR++) ─▶ train_step ─▶ apply_update (AdamW)
+//! ```
+//!
+//! Who proposes and who solves whose problems is the caller's [`Roster`]: the
+//! population's cross-evaluation and the single-agent baseline (one member in
+//! both roles) are the same step with different rosters.
+
+mod learn;
+mod metrics;
+mod propose;
+mod solve;
+mod step;
+
+pub use learn::{apply_update, episodes, train_rows, Episode, TrainBatch};
+pub use metrics::{GroupMetrics, ProgramMetrics, ProposalCounts, StepMetrics, TokenMetrics};
+pub use propose::{
+    accept, judge_proposals, proposal_jobs, AcceptedTask, ProposalJob, ProposalResult, Verdict,
+};
+pub use solve::{judge_solutions, problems, solve_jobs, Problem, SolveJob, SolveResult};
+pub use step::{run_step, Learner, StepReport};
+
+use std::collections::BTreeMap;
+
+use crate::base::{Message, Tokenizer};
+use crate::compute::{AdapterId, Sampling, TrainConfig};
+use crate::rl::{AdvantageConfig, RewardConfig};
+use crate::task::{ChatPrompt, PromptConfig, TaskKind};
+
+/// Members are named by their adapter id in the engine.
+pub type MemberId = AdapterId;
+
+/// Self-play settings (the scenario's `selfplay`, `rewards` and `training`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// Task kinds proposed and solved every step (default: all three).
+    pub task_kinds: Vec<TaskKind>,
+    /// References K, prompt token limit, induction inputs (AZR defaults).
+    pub prompt: PromptConfig,
+    /// Proposals per proposer per task kind per step (default 1).
+    pub proposals_per_kind: usize,
+    /// Solver rollouts per problem and matched solver: AZR's n (default 8).
+    pub solver_samples: usize,
+    /// Longest response (default 256).
+    pub max_new_tokens: usize,
+    /// Sampling of every response (default temperature 1, top-p 1).
+    pub sampling: Sampling,
+    pub rewards: RewardConfig,
+    pub advantage: AdvantageConfig,
+    /// PPO clip (0.2) and micro-batch token budget (2048).
+    pub train: TrainConfig,
+    /// Global gradient-norm clip per adapter (AZR: 1.0).
+    pub grad_clip: f64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            task_kinds: TaskKind::ALL.to_vec(),
+            prompt: PromptConfig::default(),
+            proposals_per_kind: 1,
+            solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
+            max_new_tokens: 256,
+            sampling: Sampling::default(),
+            rewards: RewardConfig::default(),
+            advantage: AdvantageConfig::default(),
+            train: TrainConfig::default(),
+            grad_clip: crate::rl::ppo::AZR_GRAD_CLIP_NORM,
+        }
+    }
+}
+
+/// Who plays what in one step.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Roster {
+    /// Members that propose, in id order.
+    pub proposers: Vec<MemberId>,
+    /// Each proposer's matched solvers: they solve its problems and its
+    /// learnability comes only from them.
+    pub matches: BTreeMap<MemberId, Vec<MemberId>>,
+    /// Members that solve. A solver matched to no proposer with a valid
+    /// problem solves one buffer problem per task kind instead, so every
+    /// solver trains every step.
+    pub solvers: Vec<MemberId>,
+}
+
+impl Roster {
+    /// The single-agent baseline: one member proposes and solves its own problems.
+    pub fn solo(member: MemberId) -> Roster {
+        Roster {
+            proposers: vec![member],
+            matches: BTreeMap::from([(member, vec![member])]),
+            solvers: vec![member],
+        }
+    }
+
+    /// Every member that takes part, once, in id order.
+    pub fn members(&self) -> Vec<MemberId> {
+        let mut all: Vec<MemberId> = self.proposers.iter().chain(&self.solvers).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+}
+
+/// What every phase needs to know about the step.
+#[derive(Clone, Copy)]
+pub struct StepContext<'a> {
+    pub seed: u64,
+    pub step: u64,
+    pub settings: &'a Settings,
+    pub tokenizer: &'a Tokenizer,
+}
+
+impl StepContext<'_> {
+    /// The chat prompt as the model's tokens, ready for the assistant turn.
+    pub fn encode(&self, chat: &ChatPrompt) -> Result<Vec<u32>> {
+        Ok(self.tokenizer.encode_chat(&[
+            Message::new("system", chat.system.clone()),
+            Message::new("user", chat.user.clone()),
+        ])?)
+    }
+
+    /// Token length of a prompt, for the prompt builders' budget.
+    fn measure(&self, chat: &ChatPrompt) -> usize {
+        self.encode(chat).map_or(usize::MAX, |t| t.len())
+    }
+
+    /// Response tokens as text; the stop token is not part of the answer.
+    fn decode(&self, tokens: &[u32]) -> Result<String> {
+        let end = match tokens.last() {
+            Some(t) if self.tokenizer.stop_ids.contains(t) => tokens.len() - 1,
+            _ => tokens.len(),
+        };
+        Ok(self.tokenizer.decode(&tokens[..end])?)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Base(#[from] crate::base::Error),
+    #[error(transparent)]
+    Compute(#[from] crate::compute::Error),
+    #[error(transparent)]
+    Task(#[from] crate::task::Error),
+    #[error(transparent)]
+    Verify(#[from] crate::verify::Error),
+    #[error(transparent)]
+    Rl(#[from] crate::rl::Error),
+    #[error(transparent)]
+    Lora(#[from] crate::lora::Error),
+    #[error("{phase}: {expected} results expected, {got} given")]
+    Mismatch {
+        phase: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    #[error("member {0} takes part in the step but has no adapter")]
+    UnknownMember(MemberId),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// `expected == got`, or the phase's mismatch error.
+fn check_len(phase: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::Mismatch {
+            phase,
+            expected,
+            got,
+        })
+    }
+}

@@ -1,0 +1,219 @@
+//! The solver half of a step: which problems each solver gets, then reading
+//! and scoring the answers.
+
+use super::{check_len, AcceptedTask, MemberId, ProposalResult, Result, Roster, StepContext, Verdict};
+use crate::compute::{GenRequest, Generation};
+use crate::keyed_stream;
+use crate::rl::SolverOutcome;
+use crate::task::{
+    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError,
+    SolverTask, TaskBuffers,
+};
+use crate::task::buffer::solver_task_from_induction;
+use crate::verify::{Job, Outcome, Status, VerifierPool};
+
+/// A problem put to one or more solvers.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    /// The proposal it came from (an index into the step's proposal results);
+    /// `None` for a problem drawn from the buffers.
+    pub proposal: Option<usize>,
+    pub author: Option<MemberId>,
+    pub task: SolverTask,
+    pub prompt: BuiltPrompt,
+    pub tokens: Vec<u32>,
+    /// Who solves it, each `solver_samples` times.
+    pub solvers: Vec<MemberId>,
+}
+
+/// One solver rollout to generate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SolveJob {
+    pub problem: usize,
+    pub solver: MemberId,
+    pub sample: usize,
+}
+
+impl SolveJob {
+    pub fn request(&self, ctx: &StepContext, problems: &[Problem]) -> GenRequest {
+        let s = ctx.settings;
+        GenRequest {
+            adapter: Some(self.solver),
+            prompt: problems[self.problem].tokens.clone(),
+            max_new_tokens: s.max_new_tokens,
+            stop: ctx.tokenizer.stop_ids.clone(),
+            sampling: s.sampling,
+            rng: keyed_stream!(
+                ctx.seed,
+                "solve-sample",
+                self.solver,
+                ctx.step,
+                self.problem,
+                self.sample
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SolveResult {
+    pub job: SolveJob,
+    pub generation: Generation,
+    pub text: String,
+    pub outcome: SolverOutcome,
+    /// Why the answer could not be read, when it could not.
+    pub format: Option<FormatError>,
+    /// The sandbox's judgement of a readable answer.
+    pub status: Option<Status>,
+}
+
+/// Every valid proposal goes to its author's matched solvers; a solver left
+/// without a problem gets one buffer problem per task kind, drawn from its
+/// own stream.
+pub fn problems(
+    ctx: &StepContext,
+    roster: &Roster,
+    proposals: &[ProposalResult],
+    buffers: &TaskBuffers,
+) -> Result<Vec<Problem>> {
+    let mut tasks: Vec<(Option<usize>, Option<MemberId>, SolverTask, Vec<MemberId>)> = Vec::new();
+    for (i, r) in proposals.iter().enumerate() {
+        let Verdict::Valid { task, .. } = &r.verdict else { continue };
+        let solvers = roster.matches.get(&r.job.author).cloned().unwrap_or_default();
+        if solvers.is_empty() {
+            continue;
+        }
+        let task = match task {
+            AcceptedTask::Triplet(t) => match r.job.kind {
+                crate::task::TaskKind::Abduction => SolverTask::Abduction(t.clone()),
+                _ => SolverTask::Deduction(t.clone()),
+            },
+            AcceptedTask::Induction(t) => {
+                let mut rng = keyed_stream!(ctx.seed, "induction-split", ctx.step, i);
+                solver_task_from_induction(t, ctx.settings.prompt.induction_shown, &mut rng)
+            }
+        };
+        tasks.push((Some(i), Some(r.job.author), task, solvers));
+    }
+    for &solver in &roster.solvers {
+        if tasks.iter().any(|(_, _, _, s)| s.contains(&solver)) {
+            continue;
+        }
+        let mut rng = keyed_stream!(ctx.seed, "buffer-problems", solver, ctx.step);
+        for &kind in &ctx.settings.task_kinds {
+            let shown = ctx.settings.prompt.induction_shown;
+            for task in buffers.sample_solver_tasks(kind, 1, shown, &mut rng)? {
+                tasks.push((None, None, task, vec![solver]));
+            }
+        }
+    }
+    tasks
+        .into_iter()
+        .map(|(proposal, author, task, solvers)| {
+            let prompt = solver_prompt(&task, &ctx.settings.prompt, &|c| ctx.measure(c))?;
+            let tokens = ctx.encode(&prompt.chat)?;
+            Ok(Problem {
+                proposal,
+                author,
+                task,
+                prompt,
+                tokens,
+                solvers,
+            })
+        })
+        .collect()
+}
+
+/// Every (problem, solver, sample), in that order.
+pub fn solve_jobs(ctx: &StepContext, problems: &[Problem]) -> Vec<SolveJob> {
+    let mut jobs = Vec::new();
+    for (problem, p) in problems.iter().enumerate() {
+        for &solver in &p.solvers {
+            for sample in 0..ctx.settings.solver_samples {
+                jobs.push(SolveJob {
+                    problem,
+                    solver,
+                    sample,
+                });
+            }
+        }
+    }
+    jobs
+}
+
+/// The sandbox job that judges `answer` to `task`.
+fn judge_job(task: &SolverTask, answer: Answer) -> Job {
+    match (task, answer) {
+        (SolverTask::Deduction(t), answer) => Job::Output {
+            predicted: answer.text().to_string(),
+            gold: t.output.clone(),
+        },
+        (SolverTask::Abduction(t), answer) => Job::Input {
+            program: t.program.clone(),
+            predicted_input: answer.text().to_string(),
+            gold_output: t.output.clone(),
+        },
+        (SolverTask::Induction { hidden, .. }, answer) => Job::Induction {
+            program: answer.text().to_string(),
+            pairs: hidden
+                .iter()
+                .map(|p| (p.input.clone(), p.output.clone()))
+                .collect(),
+        },
+    }
+}
+
+/// Parse every answer and judge the readable ones in one sandbox batch.
+pub fn judge_solutions(
+    ctx: &StepContext,
+    problems: &[Problem],
+    jobs: Vec<SolveJob>,
+    generations: Vec<Generation>,
+    pool: &VerifierPool,
+) -> Result<Vec<SolveResult>> {
+    check_len("judge_solutions", jobs.len(), generations.len())?;
+    let texts: Vec<String> = generations
+        .iter()
+        .map(|g| ctx.decode(&g.tokens))
+        .collect::<Result<_>>()?;
+    let answers: Vec<_> = jobs
+        .iter()
+        .zip(&texts)
+        .map(|(j, text)| {
+            let task = &problems[j.problem].task;
+            parse_answer(task.kind(), text).map(|a| judge_job(task, a))
+        })
+        .collect();
+    let sandbox_jobs: Vec<Job> = answers.iter().flatten().cloned().collect();
+    let mut judged = pool.batch(&sandbox_jobs).into_iter();
+    let mut results = Vec::with_capacity(jobs.len());
+    for (((job, generation), text), answer) in jobs.into_iter().zip(generations).zip(texts).zip(answers) {
+        let (outcome, format, status) = match answer {
+            Err(e) => (SolverOutcome::Malformed, Some(e), None),
+            Ok(_) => {
+                let status = match judged.next() {
+                    Some(Ok(Outcome::Check(j))) => j.status,
+                    Some(Ok(Outcome::Proposal(v))) => v.status,
+                    Some(Err(e)) => return Err(e.into()),
+                    None => {
+                        return Err(crate::verify::Error::Protocol(
+                            "fewer sandbox results than jobs".into(),
+                        )
+                        .into())
+                    }
+                };
+                let correct = status == Status::Ok;
+                (SolverOutcome::Answered { correct }, None, Some(status))
+            }
+        };
+        results.push(SolveResult {
+            job,
+            generation,
+            text,
+            outcome,
+            format,
+            status,
+        });
+    }
+    Ok(results)
+}

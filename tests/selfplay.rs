@@ -1,0 +1,278 @@
+//! One self-play step, end to end, on a tiny random model: a scripted step
+//! whose rewards are known exactly, and a generated step that must be
+//! reproducible from its seed.
+
+use std::collections::BTreeMap;
+
+use candle_core::Device;
+use populora::base::tiny::{self, TinySpec};
+use populora::base::{Llama, Tokenizer};
+use populora::compute::{self, AdapterSet, Generation, ScoreRow, StopReason, TrainConfig};
+use populora::keyed_stream;
+use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
+use populora::rl::ppo_clip_token_loss;
+use populora::selfplay::{self, Learner, Roster, Settings, StepContext, Verdict};
+use populora::task::{PromptConfig, TaskBuffers, TaskKind};
+use populora::verify::{SandboxConfig, VerifierPool};
+
+fn tiny() -> (Llama, Tokenizer) {
+    let spec = TinySpec {
+        max_positions: 2048,
+        ..TinySpec::default()
+    };
+    let (model, vocab) = tiny::build(&spec).unwrap();
+    (model, vocab.tokenizer().unwrap())
+}
+
+fn learner(model: &Llama, seed: u64, id: u64) -> Learner {
+    let config = LoraConfig {
+        rank: 2,
+        alpha: 4.0,
+        ..LoraConfig::default()
+    };
+    let mut rng = keyed_stream!(seed, "init", id);
+    Learner {
+        adapter: Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap(),
+        optimizer: AdamW::new(AdamWConfig {
+            lr: 1e-2,
+            ..AdamWConfig::default()
+        }),
+    }
+}
+
+fn settings(kinds: &[TaskKind]) -> Settings {
+    Settings {
+        task_kinds: kinds.to_vec(),
+        prompt: PromptConfig {
+            references: 2,
+            ..PromptConfig::default()
+        },
+        proposals_per_kind: 2,
+        solver_samples: 3,
+        max_new_tokens: 12,
+        ..Settings::default()
+    }
+}
+
+fn pool() -> VerifierPool {
+    VerifierPool::new(SandboxConfig {
+        workers: 2,
+        ..SandboxConfig::default()
+    })
+    .unwrap()
+}
+
+/// A "generation" of `text`, with the model's own log-probs so PPO is on-policy.
+fn scripted(
+    model: &Llama,
+    tok: &Tokenizer,
+    set: &AdapterSet,
+    adapter: u64,
+    prompt: &[u32],
+    text: &str,
+) -> Generation {
+    let mut tokens = tok.encode(text).unwrap();
+    tokens.push(tok.stop_ids[0]);
+    let row = ScoreRow {
+        adapter: Some(adapter),
+        tokens: [prompt, tokens.as_slice()].concat(),
+        score_from: prompt.len(),
+    };
+    let logprobs = compute::logprobs(model, set, &[row], 4096).unwrap().remove(0);
+    Generation {
+        tokens,
+        logprobs,
+        stop: StopReason::StopToken,
+    }
+}
+
+const PROPOSALS: [&str; 4] = [
+    // deduction 0: valid
+    "```python\ndef f(x):\n    return x * 2\n```\n```input\n3\n```",
+    // deduction 1: no program
+    "I would rather not.",
+    // abduction 0: parses, but raises
+    "```python\ndef f(x):\n    return x / 0\n```\n```input\n1\n```",
+    // abduction 1: valid
+    "```python\ndef f(s):\n    return s[::-1]\n```\n```input\n'abc'\n```",
+];
+
+/// Three answers per problem: deduction (f(3) = 6), abduction (f(?) = 'cba').
+const ANSWERS: [[&str; 3]; 2] = [
+    [
+        "<answer>\n```output\n6\n```\n</answer>",
+        "<answer>\n```output\n7\n```\n</answer>",
+        "no idea",
+    ],
+    [
+        "<answer>\n```input\n'abc'\n```\n</answer>",
+        "<answer>\n```input\n'xyz'\n```\n</answer>",
+        "<think>reverse</think><answer>\n```input\n\"abc\"\n```\n</answer>",
+    ],
+];
+
+#[test]
+fn scripted_step_gives_azr_rewards_and_updates_both_members() {
+    let (model, tok) = tiny();
+    let settings = settings(&[TaskKind::Deduction, TaskKind::Abduction]);
+    let ctx = StepContext {
+        seed: 5,
+        step: 1,
+        settings: &settings,
+        tokenizer: &tok,
+    };
+    let (teacher, student) = (0u64, 1u64);
+    let mut learners = BTreeMap::from([(teacher, learner(&model, 5, 0)), (student, learner(&model, 5, 1))]);
+    let roster = Roster {
+        proposers: vec![teacher],
+        matches: BTreeMap::from([(teacher, vec![student])]),
+        solvers: vec![student],
+    };
+    let pool = pool();
+    let mut buffers = TaskBuffers::seeded();
+    let before: Vec<String> = learners.values().map(|l| l.adapter.checksum().unwrap()).collect();
+
+    let set = learners.iter().fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    let jobs = selfplay::proposal_jobs(&ctx, &roster, &buffers).unwrap();
+    assert_eq!(jobs.len(), 4);
+    let generations = jobs
+        .iter()
+        .zip(PROPOSALS)
+        .map(|(j, text)| scripted(&model, &tok, &set, j.author, &j.tokens, text))
+        .collect();
+    let proposals = selfplay::judge_proposals(&ctx, jobs, generations, &pool).unwrap();
+    let rejections: Vec<_> = proposals.iter().map(|p| p.verdict.rejection()).collect();
+    assert_eq!(
+        rejections,
+        [None, Some("format.no_program_block".into()), Some("runtime_error".into()), None]
+    );
+    selfplay::accept(&mut buffers, &proposals).unwrap();
+    assert_eq!(buffers.len(TaskKind::Deduction), 2);
+    assert_eq!(buffers.len(TaskKind::Abduction), 2);
+    let Verdict::Valid { task, .. } = &proposals[3].verdict else { panic!() };
+    assert!(format!("{task:?}").contains("'cba'"), "{task:?}");
+
+    let problems = selfplay::problems(&ctx, &roster, &proposals, &buffers).unwrap();
+    assert_eq!(problems.len(), 2, "one problem per valid proposal");
+    let jobs = selfplay::solve_jobs(&ctx, &problems);
+    assert_eq!(jobs.len(), 6);
+    let generations = jobs
+        .iter()
+        .map(|j| {
+            let text = ANSWERS[j.problem][j.sample];
+            scripted(&model, &tok, &set, j.solver, &problems[j.problem].tokens, text)
+        })
+        .collect();
+    let solves = selfplay::judge_solutions(&ctx, &problems, jobs, generations, &pool).unwrap();
+
+    let episodes = selfplay::episodes(&settings, &proposals, &problems, &solves);
+    let rewards: Vec<f64> = episodes.iter().map(|e| e.reward).collect();
+    let expected = [
+        2.0 / 3.0, // deduction solved 1 of 3: learnability 1 - 1/3
+        -1.0,      // malformed proposal
+        -0.5,      // invalid proposal
+        1.0 / 3.0, // abduction solved 2 of 3
+        1.0,
+        -0.5,
+        -1.0, // deduction answers
+        1.0,
+        -0.5,
+        1.0, // abduction answers ("abc" == 'abc')
+    ];
+    for (got, want) in rewards.iter().zip(expected) {
+        assert!((got - want).abs() < 1e-12, "{rewards:?}");
+    }
+    let batch = selfplay::train_rows(&settings, &episodes).unwrap();
+    assert_eq!(batch.rows.len(), 10);
+    let train = compute::train_step(&model, &set, &batch.rows, settings.train).unwrap();
+    drop(set);
+    for (id, grads) in train.grads {
+        let l = learners.get_mut(&id).unwrap();
+        let report = selfplay::apply_update(&l.adapter, &mut l.optimizer, grads, 1.0).unwrap();
+        assert!(report.grad_norm > 0.0, "member {id} got no gradient");
+    }
+    let after: Vec<String> = learners.values().map(|l| l.adapter.checksum().unwrap()).collect();
+    assert_ne!(before[0], after[0], "the teacher learned");
+    assert_ne!(before[1], after[1], "the student learned");
+
+    // After the update the candle PPO loss must equal the f64 reference on
+    // the new log-probs (ratios now differ from 1, some clip).
+    let set = learners.iter().fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    let retrain = compute::train_step(&model, &set, &batch.rows, TrainConfig::default()).unwrap();
+    for (&id, stats) in &retrain.stats {
+        let rows: Vec<_> = batch.rows.iter().filter(|r| r.adapter == id).collect();
+        let scores: Vec<ScoreRow> = rows
+            .iter()
+            .map(|r| ScoreRow {
+                adapter: Some(id),
+                tokens: r.tokens.clone(),
+                score_from: 1,
+            })
+            .collect();
+        let new = compute::logprobs(&model, &set, &scores, 4096).unwrap();
+        let (mut lp_new, mut lp_old, mut adv, mut mask) = (vec![], vec![], vec![], vec![]);
+        for (r, n) in rows.iter().zip(&new) {
+            for t in 1..r.tokens.len() {
+                lp_new.push(f64::from(n[t - 1]));
+                lp_old.push(f64::from(r.old_logprobs[t]));
+                adv.push(f64::from(r.advantages[t]));
+                mask.push(if r.loss_mask[t] { 1.0 } else { 0.0 });
+            }
+        }
+        let reference = ppo_clip_token_loss(&lp_new, &lp_old, &adv, &mask, 0.2).unwrap();
+        assert!(
+            (stats.loss - reference).abs() < 1e-4 * (1.0 + reference.abs()),
+            "member {id}: candle {} vs reference {reference}",
+            stats.loss
+        );
+    }
+}
+
+fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
+    let (model, tok) = tiny();
+    let settings = Settings {
+        sampling: compute::Sampling {
+            temperature: 1.0,
+            top_p: 0.9,
+        },
+        ..settings(&TaskKind::ALL)
+    };
+    let mut learners = BTreeMap::from([(0, learner(&model, 9, 0)), (1, learner(&model, 9, 1))]);
+    let roster = Roster {
+        proposers: vec![0, 1],
+        matches: BTreeMap::from([(0, vec![1]), (1, vec![0])]),
+        solvers: vec![0, 1],
+    };
+    let pool = pool();
+    let mut buffers = TaskBuffers::seeded();
+    let mut lines = Vec::new();
+    for step in 1..=steps {
+        let ctx = StepContext {
+            seed: 9,
+            step,
+            settings: &settings,
+            tokenizer: &tok,
+        };
+        let report =
+            selfplay::run_step(&ctx, &model, &pool, &mut learners, &roster, &mut buffers).unwrap();
+        let m = &report.metrics;
+        assert_eq!(m.proposals.total, 2 * 3 * 2);
+        assert_eq!(
+            m.phase_ms.keys().collect::<Vec<_>>(),
+            ["propose", "score", "solve", "train", "validate"]
+        );
+        assert!(m.tokens.prompt_mean > 0.0 && m.tokens.response_mean > 0.0);
+        let mut m = m.clone();
+        m.phase_ms.clear();
+        lines.push(serde_json::to_string(&m).unwrap());
+    }
+    let sums = learners.values().map(|l| l.adapter.checksum().unwrap()).collect();
+    (lines, sums)
+}
+
+#[test]
+fn generated_steps_on_a_tiny_model_are_reproducible() {
+    let first = generated_run(2);
+    let second = generated_run(2);
+    assert_eq!(first, second);
+}
