@@ -630,5 +630,3 @@ fn never_panics_on_mutated_input() {
         "too few mutants parsed ({parsed}); the fuzz is not reaching validation"
     );
 }
-
-/// `cargo test -- --ignored --nocapture print_error_messages` shows every case's message.
