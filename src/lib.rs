@@ -9,6 +9,7 @@
 //! | [`evolve`] | rank-preserving weight-space operators |
 //! | [`verify`] | the Python sandbox and program checks |
 //! | [`task`] | AZR triplets, task kinds, prompts, answer parsing, buffers |
+//! | [`eval`] | held-out benchmarks: HumanEval, HumanEval-IO, GSM8K/MATH sets, result tables |
 //! | [`rating`] | TrueSkill ratings and near-balanced (PFSP) matchmaking |
 //! | [`rl`] | rewards, TRR++ advantages, PPO-clip token loss |
 //! | [`scenario`] | the scenario schema, defaults, validation |
@@ -17,6 +18,7 @@
 
 pub mod base;
 pub mod compute;
+pub mod eval;
 pub mod evolve;
 pub mod lora;
 pub mod rating;

@@ -294,7 +294,7 @@ fn defaults() {
         e.crossover,
         vec![
             WeightedOperator::new("ties", 1.0),
-            WeightedOperator::new("dare:p=0.5", 1.0)
+            WeightedOperator::new("dare:drop=0.5", 1.0)
         ]
     );
     assert_eq!(e.mutation, vec![WeightedOperator::new("svd_noise", 1.0)]);

@@ -2,6 +2,7 @@
 //! under `cli/`; this file only parses and dispatches.
 
 mod cli;
+mod runtime;
 
 use clap::{Parser, Subcommand};
 
@@ -18,6 +19,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a scenario: a population (or the solo baseline) self-play run.
+    Run(cli::run::Args),
+    /// Control a live run: status, kill, inject, pause, resume, stop.
+    Ctl(cli::ctl::Args),
+    /// Re-execute a finished run and verify every checksum bit for bit.
+    Replay(cli::replay::Args),
+    /// Continue a run from its last checkpoint.
+    Resume(cli::resume::Args),
     /// Fetch the default model (or a data set) into the cache.
     Fetch(cli::fetch::Args),
     /// Print the model's configuration and the cache location.
@@ -40,6 +49,10 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(args) => cli::run::run(args),
+        Command::Ctl(args) => cli::ctl::run(args),
+        Command::Replay(args) => cli::replay::run(args),
+        Command::Resume(args) => cli::resume::run(args),
         Command::Fetch(args) => cli::fetch::run(args),
         Command::Info(args) => cli::info::run(args),
         Command::Generate(args) => cli::generate::run(args),

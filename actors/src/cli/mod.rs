@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod broker;
+pub mod ctl;
 pub mod evolve;
 pub mod exec;
 pub mod export;
@@ -9,3 +10,6 @@ pub mod fetch;
 pub mod generate;
 pub mod import_peft;
 pub mod info;
+pub mod replay;
+pub mod resume;
+pub mod run;

@@ -1,0 +1,211 @@
+//! Live control: `populora ctl DIR ...` talks newline-delimited JSON over the
+//! Unix socket `DIR/control.sock` (mode 0600, and only our own uid may talk).
+//! The socket task answers at once: `status` from the coordinator's last
+//! published state, other commands after checking them against it; accepted
+//! commands queue for the coordinator, which applies them at the next step
+//! boundary and journals them.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use populora::scenario::{check_operator, parse_member_id, Role};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+
+use super::journal::MemberEntry;
+
+/// Longest accepted command line.
+const MAX_LINE: usize = 64 << 10;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Command {
+    Status,
+    Kill {
+        member: String,
+    },
+    Inject {
+        role: Role,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        from: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        op: Option<String>,
+    },
+    Pause,
+    Resume,
+    Stop,
+}
+
+impl Command {
+    /// Kill and inject change results: replay and resume re-apply them.
+    pub fn changes_results(&self) -> bool {
+        matches!(self, Command::Kill { .. } | Command::Inject { .. })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<LiveStatus>,
+}
+
+/// What the coordinator publishes for `status` and for checking commands.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LiveStatus {
+    /// Last completed step.
+    pub step: u64,
+    pub steps: u64,
+    pub phase: String,
+    pub paused: bool,
+    pub solo: bool,
+    pub members: Vec<MemberEntry>,
+}
+
+pub type Shared = Arc<Mutex<LiveStatus>>;
+
+fn snapshot(shared: &Shared) -> LiveStatus {
+    shared.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Check a command against the current population; the answer says what
+/// will happen.
+pub fn check(command: &Command, status: &LiveStatus) -> Result<String, String> {
+    let next = status.step + 1;
+    let alive = |id: &str| status.members.iter().find(|m| m.id == id);
+    match command {
+        Command::Status => Ok("status".into()),
+        Command::Pause => Ok(format!("will pause before step {next}")),
+        Command::Resume => Ok("will resume".into()),
+        Command::Stop => Ok(format!("will stop with a checkpoint before step {next}")),
+        _ if status.solo => Err("the solo baseline has one member: kill and inject do not apply".into()),
+        Command::Kill { member } => {
+            let m = alive(member).ok_or_else(|| format!("no live member `{member}`"))?;
+            let same_role = status.members.iter().filter(|o| o.role == m.role).count();
+            if same_role < 2 {
+                return Err(format!("`{member}` is the last {}; refusing to kill it", m.role));
+            }
+            Ok(format!("will kill {member} at the start of step {next}"))
+        }
+        Command::Inject { role, from, op } => {
+            for parent in from {
+                let m = alive(parent).ok_or_else(|| format!("no live member `{parent}`"))?;
+                if m.role != role.as_str() {
+                    return Err(format!("`{parent}` is a {}, not a {}", m.role, role.as_str()));
+                }
+            }
+            if let Some(op) = op {
+                check_operator(op)?;
+            }
+            Ok(format!("will inject a new {} at the start of step {next}", role.as_str()))
+        }
+    }
+}
+
+/// Parse one request line (a bad line is answered, never fatal).
+fn parse(line: &str) -> Result<Command, String> {
+    let command: Command = serde_json::from_str(line).map_err(|e| format!("malformed command: {e}"))?;
+    if let Command::Kill { member } = &command {
+        if parse_member_id(member).is_none() {
+            return Err(format!("`{member}` is not a member id (teacher-N or student-N)"));
+        }
+    }
+    Ok(command)
+}
+
+/// Bind the socket and serve it until the runtime stops.
+pub fn serve(path: &Path, status: Shared, queue: mpsc::UnboundedSender<Command>) -> anyhow::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(connection(stream, status.clone(), queue.clone()));
+        }
+    });
+    Ok(())
+}
+
+async fn connection(stream: UnixStream, status: Shared, queue: mpsc::UnboundedSender<Command>) {
+    let own_uid = unsafe { libc::geteuid() };
+    let authorised = stream.peer_cred().is_ok_and(|c| c.uid() == own_uid);
+    let (read, mut write) = stream.into_split();
+    let mut lines = AsyncBufReader::new(read.take(MAX_LINE as u64 * 64)).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        let reply = if !authorised {
+            Reply {
+                ok: false,
+                message: "not authorised: only the run's own user may control it".into(),
+                status: None,
+            }
+        } else {
+            answer(&line, &status, &queue)
+        };
+        let mut text = serde_json::to_string(&reply).unwrap_or_default();
+        text.push('\n');
+        if write.write_all(text.as_bytes()).await.is_err() || !authorised {
+            break;
+        }
+    }
+}
+
+use tokio::io::AsyncReadExt;
+
+fn answer(line: &str, status: &Shared, queue: &mpsc::UnboundedSender<Command>) -> Reply {
+    let refuse = |message: String| Reply {
+        ok: false,
+        message,
+        status: None,
+    };
+    if line.len() > MAX_LINE {
+        return refuse(format!("command longer than {MAX_LINE} bytes"));
+    }
+    let command = match parse(line) {
+        Ok(c) => c,
+        Err(e) => return refuse(e),
+    };
+    let now = snapshot(status);
+    match check(&command, &now) {
+        Err(e) => refuse(e),
+        Ok(_) if command == Command::Status => Reply {
+            ok: true,
+            message: format!("step {}/{} ({})", now.step, now.steps, now.phase),
+            status: Some(now),
+        },
+        Ok(message) => match queue.send(command) {
+            Ok(()) => Reply {
+                ok: true,
+                message,
+                status: None,
+            },
+            Err(_) => refuse("the run is finishing; command not taken".into()),
+        },
+    }
+}
+
+/// The client side of `populora ctl`: send one command, return the reply.
+pub fn send(socket: &Path, command: &Command) -> anyhow::Result<Reply> {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| {
+        format!(
+            "connecting to {} (is the run still going?)",
+            socket.display()
+        )
+    })?;
+    let mut line = serde_json::to_string(command)?;
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(&stream).read_line(&mut reply)?;
+    serde_json::from_str(&reply).with_context(|| format!("unreadable reply: {reply:?}"))
+}
+
+/// The socket of a run directory.
+pub fn socket_of(dir: &Path) -> PathBuf {
+    dir.join("control.sock")
+}

@@ -1,0 +1,852 @@
+//! The `Coordinator`: the step loop. Each step is a sequence of phases with
+//! barriers — commands → propose → validate → match → solve → score →
+//! reward → train → rate → evolve → checkpoint — and commits (journal,
+//! metrics, checkpoint) only when every phase succeeded. A member that dies
+//! mid-step is restarted from the step's starting snapshot, every other
+//! member is rolled back to it, and the step runs again: all randomness is
+//! keyed by (seed, step, purpose), so the retry gives the same result.
+//! More than `MAX_RESTARTS` restarts within `RESTART_WINDOW` stop the run
+//! cleanly with a checkpoint of the last good step.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use populora::compute::TrainRow;
+use populora::rating::{match_teachers, record_problem, MatchConfig, Player, TrueSkillConfig};
+use populora::scenario::{EventAction, Mode, Scenario};
+use populora::selfplay::{
+    self, accept, episodes, train_rows, Learner, MemberId, Problem, Roster, StepContext,
+    StepMetrics,
+};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+
+use super::broker::{Broker, BrokerMsg, Phase};
+use super::control::{Command, LiveStatus, Shared};
+use super::engine::Engine;
+use super::evolution::{Contender, Evolution, EvolutionArgs, EvolutionMsg, Newborn};
+use super::journal::{Event, Log, Source};
+use super::league::{League, Part};
+use super::member::{self, Member, MemberArgs, MemberMsg};
+use super::rundir::RunDir;
+use super::verifier::{Verifier, VerifierArgs, VerifierMsg};
+use super::{ask, Died};
+
+/// Restart intensity: more than this many member restarts ...
+const MAX_RESTARTS: usize = 3;
+/// ... within this window stop the run.
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
+/// How a run ended.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub steps: u64,
+    pub stopped_early: bool,
+    pub checksums: BTreeMap<String, String>,
+    pub wall_s: f64,
+}
+
+pub struct CoordinatorArgs {
+    pub scenario: Scenario,
+    pub dir: RunDir,
+    pub engine: Arc<Engine>,
+    pub league: League,
+    pub learners: BTreeMap<MemberId, Learner>,
+    /// Commands to apply at given steps (replay and resume), beside the scenario's events.
+    pub scheduled: BTreeMap<u64, Vec<Command>>,
+    /// Run no further than this step (replay stops where the original stopped).
+    pub last_step: u64,
+    pub control: mpsc::UnboundedReceiver<Command>,
+    pub status: Shared,
+    pub journal: Log,
+    pub metrics: Log,
+    pub done: oneshot::Sender<anyhow::Result<Summary>>,
+}
+
+pub enum CoordinatorMsg {
+    Step,
+}
+
+pub struct Coordinator;
+
+pub struct State {
+    args: CoordinatorArgs,
+    /// This coordinator, the supervisor of every member.
+    cell: ActorCell,
+    done: Option<oneshot::Sender<anyhow::Result<Summary>>>,
+    members: BTreeMap<MemberId, ActorRef<MemberMsg>>,
+    broker: ActorRef<BrokerMsg>,
+    verifier: ActorRef<VerifierMsg>,
+    evolution: ActorRef<EvolutionMsg>,
+    restarts: VecDeque<Instant>,
+    paused: bool,
+    stop: bool,
+    started: Instant,
+    step_times: Vec<f64>,
+}
+
+/// Why a step attempt failed.
+enum StepError {
+    /// A member (or another actor) died: restart and retry.
+    Died(Died),
+    /// Anything else stops the run.
+    Fatal(anyhow::Error),
+}
+
+impl From<Died> for StepError {
+    fn from(d: Died) -> Self {
+        StepError::Died(d)
+    }
+}
+
+impl From<anyhow::Error> for StepError {
+    fn from(e: anyhow::Error) -> Self {
+        StepError::Fatal(e)
+    }
+}
+
+type StepResult<T> = Result<T, StepError>;
+
+impl Actor for Coordinator {
+    type Msg = CoordinatorMsg;
+    type State = State;
+    type Arguments = CoordinatorArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<CoordinatorMsg>,
+        mut args: CoordinatorArgs,
+    ) -> Result<State, ActorProcessingErr> {
+        let engine = args.engine.clone();
+        let cell = myself.get_cell();
+        let (broker, _) = Actor::spawn_linked(
+            None,
+            Broker,
+            (engine.model.clone(), engine.settings.train),
+            cell.clone(),
+        )
+        .await?;
+        let (verifier, _) = Actor::spawn_linked(
+            None,
+            Verifier,
+            VerifierArgs {
+                sandbox: engine.sandbox.clone(),
+                seed: args.scenario.seed,
+                tokenizer: engine.tokenizer.clone(),
+                settings: engine.settings.clone(),
+            },
+            cell.clone(),
+        )
+        .await?;
+        let (evolution, _) = Actor::spawn_linked(
+            None,
+            Evolution,
+            EvolutionArgs {
+                seed: args.scenario.seed,
+                config: args.scenario.evolution.clone(),
+                adamw: engine.adamw,
+            },
+            cell.clone(),
+        )
+        .await?;
+        let learners = std::mem::take(&mut args.learners);
+        let done = Some(std::mem::replace(&mut args.done, oneshot::channel().0));
+        let mut state = State {
+            args,
+            cell: cell.clone(),
+            done,
+            members: BTreeMap::new(),
+            broker,
+            verifier,
+            evolution,
+            restarts: VecDeque::new(),
+            paused: false,
+            stop: false,
+            started: Instant::now(),
+            step_times: Vec::new(),
+        };
+        for (id, learner) in learners {
+            spawn_member(&mut state, id, learner).await?;
+        }
+        publish(&state, "ready");
+        Ok(state)
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<CoordinatorMsg>,
+        _state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        myself.cast(CoordinatorMsg::Step)?;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<CoordinatorMsg>,
+        _msg: CoordinatorMsg,
+        state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        match step(state).await {
+            Ok(true) => myself.cast(CoordinatorMsg::Step)?,
+            Ok(false) => finish(&myself, state, Ok(())).await,
+            Err(e) => finish(&myself, state, Err(e)).await,
+        }
+        Ok(())
+    }
+
+    /// Members that die are restarted by the step loop; never stop because a
+    /// child stopped (ractor's default handler would).
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<CoordinatorMsg>,
+        event: SupervisionEvent,
+        _state: &mut State,
+    ) -> Result<(), ActorProcessingErr> {
+        if let SupervisionEvent::ActorFailed(who, why) = event {
+            eprintln!("supervisor: actor {} failed: {why}", who.get_id());
+        }
+        Ok(())
+    }
+}
+
+async fn spawn_member(
+    state: &mut State,
+    id: MemberId,
+    learner: Learner,
+) -> anyhow::Result<()> {
+    let engine = &state.args.engine;
+    let args = MemberArgs {
+        id,
+        name: state.args.league.name(id),
+        learner,
+        seed: state.args.scenario.seed,
+        tokenizer: engine.tokenizer.clone(),
+        settings: engine.settings.clone(),
+        broker: state.broker.clone(),
+    };
+    let (actor, _) = Actor::spawn_linked(None, Member, args, state.cell.clone())
+        .await
+        .context("starting a member")?;
+    state.members.insert(id, actor);
+    Ok(())
+}
+
+fn publish(state: &State, phase: &str) {
+    let league = &state.args.league;
+    let status = LiveStatus {
+        step: league.step,
+        steps: state.args.last_step,
+        phase: phase.to_string(),
+        paused: state.paused,
+        solo: state.args.scenario.population.mode == Mode::Solo,
+        members: league.entries(),
+    };
+    *state.args.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
+    super::progress::phase(league.step + 1, state.args.last_step, phase, &state.step_times);
+}
+
+/// Run the next step (with retries); `Ok(false)` when the run is over.
+async fn step(state: &mut State) -> anyhow::Result<bool> {
+    let s = state.args.league.step + 1;
+    if s > state.args.last_step || state.stop {
+        return Ok(false);
+    }
+    let commands = gather_commands(state, s).await;
+    if state.stop {
+        return Ok(false);
+    }
+    let started = Instant::now();
+    let before = state.args.league.clone();
+    let snapshots = snapshot_all(state).await.map_err(|d| anyhow::anyhow!(d.0))?;
+    loop {
+        match attempt(state, s, &commands).await {
+            Ok(outcome) => {
+                commit(state, s, outcome, started).await?;
+                return Ok(true);
+            }
+            Err(StepError::Fatal(e)) => return Err(e.context(format!("step {s}"))),
+            Err(StepError::Died(died)) => {
+                let _ = ask(&state.broker, |reply| BrokerMsg::Abort { reply }).await;
+                state.args.league = before.clone();
+                restore_all(state, &snapshots).await?;
+                let now = Instant::now();
+                state.restarts.push_back(now);
+                while state.restarts.front().is_some_and(|t| now - *t > RESTART_WINDOW) {
+                    state.restarts.pop_front();
+                }
+                let give_up = state.restarts.len() > MAX_RESTARTS;
+                let action = if give_up { "stopped" } else { "restarted; step retried" };
+                state.args.journal.append(&Event::Fault {
+                    step: s,
+                    member: "member".into(),
+                    message: died.0.clone(),
+                    action: action.into(),
+                })?;
+                eprintln!("step {s}: {}; {action}", died.0);
+                if give_up {
+                    checkpoint(state).await?;
+                    anyhow::bail!(
+                        "more than {MAX_RESTARTS} restarts within {}s ({}); stopped after step {} with a checkpoint — `populora resume` continues",
+                        RESTART_WINDOW.as_secs(),
+                        died.0,
+                        s - 1
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Commands for step `s`: the scenario's events, scheduled ones (replay,
+/// resume), then live ones in arrival order. Waits here while paused.
+async fn gather_commands(state: &mut State, s: u64) -> Vec<(Command, Source)> {
+    let mut commands: Vec<(Command, Source)> = state
+        .args
+        .scenario
+        .events
+        .iter()
+        .filter(|e| e.at == s)
+        .map(|e| (scripted(&e.action), Source::Scenario))
+        .collect();
+    if let Some(scheduled) = state.args.scheduled.remove(&s) {
+        commands.extend(scheduled.into_iter().map(|c| (c, Source::Ctl)));
+    }
+    loop {
+        while let Ok(c) = state.args.control.try_recv() {
+            route(state, c, &mut commands);
+        }
+        if !state.paused || state.stop {
+            return commands;
+        }
+        publish(state, "paused");
+        match state.args.control.recv().await {
+            Some(c) => route(state, c, &mut commands),
+            None => state.paused = false,
+        }
+    }
+}
+
+fn scripted(action: &EventAction) -> Command {
+    match action {
+        EventAction::Kill(member) => Command::Kill {
+            member: member.clone(),
+        },
+        EventAction::Inject(i) => Command::Inject {
+            role: i.role,
+            from: i.from.clone().unwrap_or_default(),
+            op: i.op.clone(),
+        },
+    }
+}
+
+/// Pause, resume and stop act on the loop; kill and inject wait for the step.
+fn route(state: &mut State, command: Command, commands: &mut Vec<(Command, Source)>) {
+    match command {
+        Command::Pause => state.paused = true,
+        Command::Resume => state.paused = false,
+        Command::Stop => state.stop = true,
+        Command::Status => {}
+        other => commands.push((other, Source::Ctl)),
+    }
+}
+
+async fn snapshot_all(state: &State) -> Result<BTreeMap<MemberId, Learner>, Died> {
+    let mut out = BTreeMap::new();
+    for (&id, actor) in &state.members {
+        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
+            .await?
+            .map_err(|e| Died(format!("{}: snapshot failed: {e}", state.args.league.name(id))))?;
+        out.insert(id, learner);
+    }
+    Ok(out)
+}
+
+/// Stop every member actor and start the step's starting population again.
+async fn restore_all(
+    state: &mut State,
+    snapshots: &BTreeMap<MemberId, Learner>,
+) -> anyhow::Result<()> {
+    for (_, actor) in std::mem::take(&mut state.members) {
+        actor.stop(None);
+    }
+    for (&id, learner) in snapshots {
+        spawn_member(state, id, member::snapshot(learner)?).await?;
+    }
+    Ok(())
+}
+
+/// What a successful step attempt produced, written at commit.
+struct Outcome {
+    events: Vec<Event>,
+    metrics: StepMetrics,
+}
+
+
+async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> StepResult<Outcome> {
+    let engine = state.args.engine.clone();
+    let ctx = StepContext {
+        seed: state.args.scenario.seed,
+        step: s,
+        settings: &engine.settings,
+        tokenizer: &engine.tokenizer,
+    };
+    let mut clock = Clock::default();
+    let mut events = Vec::new();
+    state.args.league.step = s;
+    for (command, source) in commands {
+        apply_command(state, s, command, *source, &mut events).await?;
+    }
+
+    publish(state, "propose");
+    let proposers = state.args.league.ids(|m| m.part.proposes());
+    let buffers = Arc::new(state.args.league.buffers.clone());
+    let start = Instant::now();
+    let proposed = phase(state, Phase::Propose(s), &proposers, |_, reply| MemberMsg::Propose {
+        step: s,
+        buffers: buffers.clone(),
+        reply,
+    })
+    .await?;
+    clock.add("propose", start);
+    let (jobs, generations): (Vec<_>, Vec<_>) = proposed.into_values().flatten().unzip();
+
+    publish(state, "validate");
+    let start = Instant::now();
+    let proposals = ask(&state.verifier, |reply| VerifierMsg::Proposals {
+        step: s,
+        jobs,
+        generations,
+        reply,
+    })
+    .await??;
+    clock.add("validate", start);
+    accept(&mut state.args.league.buffers, &proposals).map_err(anyhow::Error::from)?;
+
+    let roster = roster(state, s)?;
+    let problems: Arc<Vec<Problem>> = Arc::new(
+        selfplay::problems(&ctx, &roster, &proposals, &state.args.league.buffers)
+            .map_err(anyhow::Error::from)?,
+    );
+    let mut solvers: Vec<MemberId> = problems.iter().flat_map(|p| p.solvers.clone()).collect();
+    solvers.sort_unstable();
+    solvers.dedup();
+    publish(state, "solve");
+    let start = Instant::now();
+    let solved = phase(state, Phase::Solve(s), &solvers, |_, reply| MemberMsg::Solve {
+        step: s,
+        problems: problems.clone(),
+        reply,
+    })
+    .await?;
+    clock.add("solve", start);
+    let (jobs, generations): (Vec<_>, Vec<_>) = solved.into_values().flatten().unzip();
+    publish(state, "score");
+    let start = Instant::now();
+    let solves = ask(&state.verifier, |reply| VerifierMsg::Solutions {
+        step: s,
+        problems: problems.clone(),
+        jobs,
+        generations,
+        reply,
+    })
+    .await??;
+    clock.add("score", start);
+
+    publish(state, "train");
+    let start = Instant::now();
+    let episodes = episodes(&engine.settings, &proposals, &problems, &solves);
+    let batch = train_rows(&engine.settings, &episodes).map_err(anyhow::Error::from)?;
+    let mut rows: BTreeMap<MemberId, Vec<TrainRow>> = BTreeMap::new();
+    for row in &batch.rows {
+        rows.entry(row.adapter).or_default().push(row.clone());
+    }
+    let trainees: Vec<MemberId> = rows.keys().copied().collect();
+    let reports = phase(state, Phase::Train(s), &trainees, |id, reply| MemberMsg::Train {
+        step: s,
+        rows: rows.remove(&id).unwrap_or_default(),
+        reply,
+    })
+    .await?;
+    clock.add("train", start);
+
+    let solve_kinds: Vec<_> = solves.iter().map(|r| problems[r.job.problem].task.kind()).collect();
+    let mut metrics = StepMetrics::measure(
+        s,
+        &engine.settings,
+        &proposals,
+        &solves,
+        &solve_kinds,
+        &episodes,
+        &batch,
+    );
+    for (id, report) in reports {
+        state.args.league.checksums.insert(id, report.checksum);
+        if let Some(norm) = report.grad_norm {
+            metrics.grad_norm.insert(id, norm);
+        }
+        if let Some(stats) = report.stats {
+            metrics.train_tokens.insert(id, stats.tokens);
+        }
+    }
+    let league = &mut state.args.league;
+    for (&id, &reward) in &metrics.member_reward {
+        league.rewards.entry(id).or_default().push((s, reward));
+    }
+    rate(league, &problems, &solves)?;
+
+    if state.args.scenario.evolution.enabled && s % state.args.scenario.evolution.every == 0 {
+        publish(state, "evolve");
+        let start = Instant::now();
+        evolve(state, s, &mut events).await?;
+        clock.add("evolve", start);
+    }
+    // The broker's own compute time: how much of the step the model was busy.
+    let usage = ask(&state.broker, |reply| BrokerMsg::Usage { reply }).await?;
+    clock.phase_ms.insert("compute".into(), usage.generate_ms + usage.train_ms);
+    metrics.phase_ms = clock.phase_ms;
+    Ok(Outcome { events, metrics })
+}
+
+/// Ask every member in `ids` (in id order) and wait for all: the broker
+/// batches their compute for `phase` once every one of them has asked.
+async fn phase<T: Send + 'static>(
+    state: &State,
+    phase: Phase,
+    ids: &[MemberId],
+    mut message: impl FnMut(MemberId, ractor::RpcReplyPort<anyhow::Result<T>>) -> MemberMsg,
+) -> StepResult<BTreeMap<MemberId, T>> {
+    ask(&state.broker, |reply| BrokerMsg::Expect {
+        phase,
+        members: ids.to_vec(),
+        reply,
+    })
+    .await?;
+    // Send every request first, then wait: the members work concurrently.
+    let mut pending = tokio::task::JoinSet::new();
+    for &id in ids {
+        let name = state.args.league.name(id);
+        let actor = state.members.get(&id).ok_or_else(|| Died(format!("{name} has no actor")))?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        actor
+            .send_message(message(id, tx.into()))
+            .map_err(|_| Died(format!("{name} is not running")))?;
+        pending.spawn(async move { (id, name, rx.await) });
+    }
+    // Results are keyed by member id, so arrival order never matters; a
+    // death is noticed at once even while others wait for the broker.
+    let mut out = BTreeMap::new();
+    while let Some(joined) = pending.join_next().await {
+        let (id, name, result) = joined.map_err(|e| StepError::Fatal(e.into()))?;
+        match result {
+            Ok(Ok(v)) => {
+                out.insert(id, v);
+            }
+            Ok(Err(e)) => return Err(StepError::Fatal(e.context(format!("{name} in {phase:?}")))),
+            Err(_) => return Err(StepError::Died(Died(format!("{name} died in {phase:?}")))),
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Default)]
+struct Clock {
+    phase_ms: BTreeMap<String, f64>,
+}
+
+impl Clock {
+    fn add(&mut self, phase: &str, since: Instant) {
+        *self.phase_ms.entry(phase.to_string()).or_default() += since.elapsed().as_secs_f64() * 1e3;
+    }
+}
+
+fn trueskill() -> TrueSkillConfig {
+    TrueSkillConfig::default()
+}
+
+/// Who solves whose problems: the solo member its own; in a population each
+/// teacher its near-balanced matched students from other sub-populations.
+fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
+    let league = &state.args.league;
+    if state.args.scenario.population.mode == Mode::Solo {
+        let id = *league.members.keys().next().context("the solo member is gone")?;
+        return Ok(Roster::solo(id));
+    }
+    let players = |part: Part| -> Vec<Player> {
+        league
+            .ids(|m| m.part == part)
+            .into_iter()
+            .map(|id| Player {
+                id: league.name(id),
+                subpop: league.members[&id].subpop,
+                rating: league.ratings[&id],
+            })
+            .collect()
+    };
+    let (teachers, students) = (players(Part::Teacher), players(Part::Student));
+    let config = MatchConfig {
+        trueskill: trueskill(),
+        ..MatchConfig::default()
+    };
+    let mut rng = populora::keyed_stream!(state.args.scenario.seed, "match", s);
+    let per_teacher = state.args.scenario.population.students_per_teacher;
+    let pairings = match_teachers(&teachers, &students, per_teacher, &config, &mut rng)
+        .context("matching teachers with students")?;
+    let id_of = |name: &str| league.by_name(name).context("matched member vanished");
+    let mut matches = BTreeMap::new();
+    for p in pairings {
+        let students = p.students.iter().map(|n| id_of(n)).collect::<anyhow::Result<Vec<_>>>()?;
+        matches.insert(id_of(&p.teacher)?, students);
+    }
+    Ok(Roster {
+        proposers: league.ids(|m| m.part == Part::Teacher),
+        matches,
+        solvers: league.ids(|m| m.part == Part::Student),
+    })
+}
+
+/// TrueSkill: a teacher wins each attempt its matched student fails.
+fn rate(league: &mut League, problems: &[Problem], solves: &[selfplay::SolveResult]) -> anyhow::Result<()> {
+    let mut tally: BTreeMap<(MemberId, MemberId), (usize, usize)> = BTreeMap::new();
+    for r in solves {
+        let Some(teacher) = problems[r.job.problem].author else { continue };
+        if teacher == r.job.solver {
+            continue;
+        }
+        let t = tally.entry((teacher, r.job.solver)).or_default();
+        t.0 += usize::from(r.outcome.is_correct());
+        t.1 += 1;
+    }
+    let cfg = trueskill();
+    for ((teacher, student), (solved, attempts)) in tally {
+        let (Some(mut t), Some(mut st)) = (league.ratings.get(&teacher).copied(), league.ratings.get(&student).copied()) else {
+            continue;
+        };
+        record_problem(&mut t, &mut st, solved, attempts, &cfg)?;
+        league.ratings.insert(teacher, t);
+        league.ratings.insert(student, st);
+    }
+    Ok(())
+}
+
+/// Snapshots of the members of `part`, with their fitness, for evolution.
+async fn contenders(state: &State, part: Part) -> StepResult<Vec<Contender>> {
+    let league = &state.args.league;
+    let evolution = &state.args.scenario.evolution;
+    let mut out = Vec::new();
+    for id in league.ids(|m| m.part == part) {
+        let actor = &state.members[&id];
+        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply }).await??;
+        out.push(Contender {
+            id,
+            name: league.name(id),
+            subpop: league.members[&id].subpop,
+            fitness: league.fitness(id, evolution.fitness, evolution.fitness_window),
+            learner,
+        });
+    }
+    Ok(out)
+}
+
+async fn evolve(state: &mut State, s: u64, events: &mut Vec<Event>) -> StepResult<()> {
+    for part in [Part::Teacher, Part::Student] {
+        let contenders = contenders(state, part).await?;
+        let plan = ask(&state.evolution, |reply| EvolutionMsg::Evolve {
+            step: s,
+            label: part.name().to_string(),
+            contenders,
+            reply,
+        })
+        .await??;
+        for (id, fitness) in plan.culled {
+            events.push(Event::Cull {
+                step: s,
+                id: state.args.league.name(id),
+                fitness,
+            });
+            remove_member(state, id);
+        }
+        for child in plan.born {
+            let event = add_member(state, s, part, child).await?;
+            events.push(event);
+        }
+    }
+    Ok(())
+}
+
+fn remove_member(state: &mut State, id: MemberId) {
+    if let Some(actor) = state.members.remove(&id) {
+        actor.stop(None);
+    }
+    state.args.league.remove(id);
+}
+
+async fn add_member(state: &mut State, s: u64, part: Part, child: Newborn) -> StepResult<Event> {
+    let fresh = trueskill();
+    let rating = populora::rating::Rating::fresh(&fresh);
+    let id = state.args.league.add(part, child.subpop, s, child.parents.clone(), rating);
+    let checksum = child.learner.adapter.checksum().map_err(anyhow::Error::from)?;
+    state.args.league.checksums.insert(id, checksum);
+    spawn_member(state, id, child.learner).await?;
+    Ok(Event::Spawn {
+        step: s,
+        id: state.args.league.name(id),
+        role: part.name().to_string(),
+        subpop: child.subpop,
+        parents: child.parents,
+        operators: child.operators,
+    })
+}
+
+/// Apply a kill or inject at the start of step `s` (refused ones are journaled too).
+async fn apply_command(
+    state: &mut State,
+    s: u64,
+    command: &Command,
+    source: Source,
+    events: &mut Vec<Event>,
+) -> StepResult<()> {
+    let now = LiveStatus {
+        step: s - 1,
+        steps: state.args.last_step,
+        solo: state.args.scenario.population.mode == Mode::Solo,
+        members: state.args.league.entries(),
+        ..LiveStatus::default()
+    };
+    let checked = super::control::check(command, &now);
+    let outcome = match &checked {
+        Ok(_) => "applied".to_string(),
+        Err(why) => format!("refused: {why}"),
+    };
+    events.push(Event::Control {
+        step: s,
+        command: command.clone(),
+        source,
+        outcome,
+    });
+    if checked.is_err() {
+        return Ok(());
+    }
+    match command {
+        Command::Kill { member } => {
+            if let Some(id) = state.args.league.by_name(member) {
+                remove_member(state, id);
+                events.push(Event::Kill {
+                    step: s,
+                    id: member.clone(),
+                });
+            }
+        }
+        Command::Inject { role, from, op } => {
+            let part = Part::of(*role);
+            let contenders = contenders(state, part).await?;
+            let from: Vec<MemberId> = from.iter().filter_map(|n| state.args.league.by_name(n)).collect();
+            let subpop = state
+                .args
+                .league
+                .smallest_subpop(part, state.args.scenario.population.subpopulations);
+            let child = ask(&state.evolution, |reply| EvolutionMsg::Inject {
+                step: s,
+                label: format!("{}-{}", part.name(), events.len()),
+                contenders,
+                from,
+                op: op.clone(),
+                subpop,
+                reply,
+            })
+            .await??;
+            let event = add_member(state, s, part, child).await?;
+            events.push(event);
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Write the step: journal events and checksums, the metrics line, the
+/// checkpoint when due, and the one-line summary.
+async fn commit(state: &mut State, s: u64, outcome: Outcome, started: Instant) -> anyhow::Result<()> {
+    for event in &outcome.events {
+        state.args.journal.append(event)?;
+    }
+    state.args.journal.append(&Event::Step {
+        step: s,
+        checksums: state.args.league.checksums_by_name(),
+    })?;
+    let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+    let line = super::metrics::line(&state.args.league, &state.args.scenario, &outcome.metrics, wall_ms);
+    state.args.metrics.append(&line)?;
+    state.step_times.push(wall_ms / 1e3);
+    if s % state.args.scenario.checkpoint.every == 0 || s == state.args.last_step {
+        checkpoint(state).await?;
+    }
+    super::progress::summary(&line, state.args.last_step);
+    Ok(())
+}
+
+/// Save the league and every member under `checkpoints/step-N` (written
+/// aside, then renamed into place) and refresh `members/<id>/`.
+async fn checkpoint(state: &mut State) -> anyhow::Result<()> {
+    let s = state.args.league.step;
+    let dir = &state.args.dir;
+    let final_dir = dir.checkpoint(s);
+    let tmp = dir.checkpoints().join(format!(".tmp-step-{s:06}"));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(tmp.join("members"))?;
+    let mut league = state.args.league.clone();
+    league.journal_lines = state.args.journal.lines + 1;
+    league.metrics_lines = state.args.metrics.lines;
+    std::fs::write(tmp.join("league.json"), serde_json::to_vec_pretty(&league)?)?;
+    for (&id, actor) in &state.members {
+        let name = league.name(id);
+        for target in [tmp.join("members").join(&name), dir.members().join(&name)] {
+            let _ = std::fs::remove_dir_all(&target);
+            let base = state.args.engine.base.clone();
+            ask(actor, |reply| MemberMsg::Save {
+                dir: target.clone(),
+                base,
+                reply,
+            })
+            .await
+            .map_err(|d| anyhow::anyhow!(d.0))??;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&final_dir);
+    std::fs::rename(&tmp, &final_dir)?;
+    state.args.journal.append(&Event::Checkpoint { step: s })?;
+    Ok(())
+}
+
+async fn finish(myself: &ActorRef<CoordinatorMsg>, state: &mut State, result: anyhow::Result<()>) {
+    let result = match result {
+        Ok(()) => end(state).await,
+        Err(e) => Err(e),
+    };
+    publish(state, "finished");
+    if let Some(done) = state.done.take() {
+        let _ = done.send(result);
+    }
+    myself.stop(None);
+}
+
+async fn end(state: &mut State) -> anyhow::Result<Summary> {
+    let s = state.args.league.step;
+    let last = state.args.dir.latest_checkpoint()?.map(|(step, _)| step);
+    if last != Some(s) {
+        checkpoint(state).await?;
+    }
+    let checksums = state.args.league.checksums_by_name();
+    state.args.journal.append(&Event::End {
+        step: s,
+        checksums: checksums.clone(),
+    })?;
+    Ok(Summary {
+        steps: s,
+        stopped_early: s < state.args.last_step,
+        checksums,
+        wall_s: state.started.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,61 @@
+//! The population runtime: actors on ractor + tokio around the synchronous
+//! engine.
+//!
+//! | actor | owns |
+//! |---|---|
+//! | [`coordinator`] | the step loop and its barriers, matching, ratings, buffers, journal, checkpoints, live commands, supervision of members |
+//! | [`member`] | one adapter, its optimizer state and stream; builds its prompts, applies its own updates |
+//! | [`broker`] | the base model: batches every member's compute of a phase into one pass, on a blocking thread |
+//! | [`verifier`] | the sandbox pool (zygote workers; a dead worker is replaced and its job retried once) |
+//! | [`evolution`] | fitness ranking, culls, offspring by crossover + mutation |
+//!
+//! Plain modules: [`rundir`] (files of a run), [`journal`] (the event log),
+//! [`control`] (the control socket), [`engine`] (scenario → engine settings
+//! and model), [`replay`] (replay and resume).
+//!
+//! Determinism: phases are barriers; the broker orders requests by member id
+//! before batching; every random draw comes from a stream keyed by the seed,
+//! the step and a purpose; live commands take effect at step boundaries and
+//! are journaled with the step, so a replay applies them at the same point.
+
+pub mod broker;
+pub mod control;
+pub mod coordinator;
+pub mod engine;
+pub mod evolution;
+pub mod journal;
+pub mod member;
+pub mod metrics;
+pub mod progress;
+pub mod league;
+pub mod replay;
+pub mod rundir;
+pub mod verifier;
+
+use ractor::{ActorRef, Message, MessagingErr, RpcReplyPort};
+
+/// An actor died (or stopped) before answering: the supervisor's business.
+#[derive(Debug)]
+pub struct Died(pub String);
+
+/// `call` an actor and wait for its answer without a timeout; a dead actor
+/// becomes [`Died`] rather than a panic.
+pub async fn ask<M: Message, T: Send + 'static>(
+    actor: &ActorRef<M>,
+    msg: impl FnOnce(RpcReplyPort<T>) -> M,
+) -> Result<T, Died> {
+    use ractor::rpc::CallResult;
+    match actor.call(msg, None).await {
+        Ok(CallResult::Success(v)) => Ok(v),
+        Ok(CallResult::Timeout) => Err(Died(format!("{} timed out", name_of(actor)))),
+        Ok(CallResult::SenderError) => Err(Died(format!("{} dropped the reply", name_of(actor)))),
+        Err(MessagingErr::SendErr(_)) | Err(MessagingErr::ChannelClosed) => {
+            Err(Died(format!("{} is not running", name_of(actor))))
+        }
+        Err(e) => Err(Died(format!("{}: {e}", name_of(actor)))),
+    }
+}
+
+fn name_of<M: Message>(actor: &ActorRef<M>) -> String {
+    actor.get_name().unwrap_or_else(|| "an actor".into())
+}

@@ -1,0 +1,210 @@
+//! Starting a run three ways: fresh from a scenario, resumed from the last
+//! checkpoint of a crashed or stopped run, or replayed from a finished run's
+//! scenario and journal (then compared checksum by checksum).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use populora::keyed_stream;
+use populora::lora::{AdamW, Adapter};
+use populora::rating::{Rating, TrueSkillConfig};
+use populora::scenario::{check_operator, Scenario};
+use populora::selfplay::{Learner, MemberId};
+use ractor::Actor;
+use tokio::sync::{mpsc, oneshot};
+
+use super::control::{self, Command, Shared};
+use super::coordinator::{Coordinator, CoordinatorArgs, Summary};
+use super::engine::Engine;
+use super::journal::{self, Event, Log, Source};
+use super::league::League;
+use super::member;
+use super::rundir::RunDir;
+
+/// A new run of `scenario` in `out`.
+pub fn fresh(scenario: Scenario, out: &Path) -> anyhow::Result<Summary> {
+    fresh_with(scenario, out, BTreeMap::new(), None)
+}
+
+fn fresh_with(
+    scenario: Scenario,
+    out: &Path,
+    scheduled: BTreeMap<u64, Vec<Command>>,
+    last_step: Option<u64>,
+) -> anyhow::Result<Summary> {
+    let dir = RunDir::create(out)?;
+    std::fs::write(dir.scenario(), scenario.to_toml())?;
+    let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
+    let mut league = League::new(&scenario, Rating::fresh(&TrueSkillConfig::default()));
+    let mut learners = BTreeMap::new();
+    for (&id, info) in &league.members {
+        let mut rng = keyed_stream!(scenario.seed, "init", info.name.as_str());
+        let adapter = Adapter::new(engine.lora.clone(), &engine.model.config, &mut rng, &candle_core::Device::Cpu)?;
+        learners.insert(id, Learner { adapter, optimizer: AdamW::new(engine.adamw) });
+    }
+    for (&id, learner) in &learners {
+        league.checksums.insert(id, learner.adapter.checksum()?);
+    }
+    let mut journal = Log::open(&dir.journal(), None)?;
+    journal.append(&Event::Start {
+        seed: scenario.seed,
+        scenario: scenario.name.clone(),
+        members: league.entries(),
+    })?;
+    let metrics = Log::open(&dir.metrics(), None)?;
+    let last_step = last_step.unwrap_or(scenario.steps);
+    launch(scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics)
+}
+
+/// Continue `dir` from its newest checkpoint. Live commands the crashed run
+/// had applied after that checkpoint are applied again at their steps.
+pub fn resume(root: &Path) -> anyhow::Result<Summary> {
+    let dir = RunDir::new(root);
+    let scenario = Scenario::from_file(dir.scenario(), check_operator)?;
+    let (step, checkpoint) = dir
+        .latest_checkpoint()?
+        .with_context(|| format!("{} has no checkpoint to resume from", root.display()))?;
+    let events = journal::read(&dir.journal())?;
+    if let Some(Event::End { step: end, .. }) = events.iter().rev().find(|e| matches!(e, Event::End { .. })) {
+        if *end >= scenario.steps {
+            bail!("{} finished all {} steps; nothing to resume", root.display(), scenario.steps);
+        }
+    }
+    let league_path = checkpoint.join("league.json");
+    let league: League = serde_json::from_slice(
+        &std::fs::read(&league_path).with_context(|| format!("reading {}", league_path.display()))?,
+    )
+    .with_context(|| format!("{} is corrupt", league_path.display()))?;
+    if league.step != step {
+        bail!("{} records step {}, not {step}", league_path.display(), league.step);
+    }
+    let mut learners = BTreeMap::new();
+    for (&id, info) in &league.members {
+        let member_dir = checkpoint.join("members").join(&info.name);
+        let learner = member::load(&member_dir).with_context(|| format!("loading {}", member_dir.display()))?;
+        learners.insert(id, learner);
+    }
+    let scheduled = live_commands(&events, |s| s > step);
+    let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
+    let journal = Log::open(&dir.journal(), Some(league.journal_lines))?;
+    let metrics = Log::open(&dir.metrics(), Some(league.metrics_lines))?;
+    eprintln!("resuming {} from step {step}", root.display());
+    let last_step = scenario.steps;
+    launch(scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics)
+}
+
+/// Re-execute a finished run into `DIR/replay/` and compare every step's
+/// checksums with the journal; the error names the first divergence.
+pub fn replay(root: &Path) -> anyhow::Result<Summary> {
+    let dir = RunDir::new(root);
+    let scenario = Scenario::from_file(dir.scenario(), check_operator)?;
+    let recorded = journal::read(&dir.journal())?;
+    let Some(end) = recorded.iter().find_map(|e| match e {
+        Event::End { step, .. } => Some(*step),
+        _ => None,
+    }) else {
+        bail!("{} did not finish (no end event in its journal); `populora resume` it first", root.display());
+    };
+    let out = root.join("replay");
+    if out.exists() {
+        std::fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
+    }
+    let summary = fresh_with(scenario, &out, live_commands(&recorded, |_| true), Some(end))?;
+    let replayed = journal::read(&out.join("journal.jsonl"))?;
+    compare(&recorded, &replayed)?;
+    Ok(summary)
+}
+
+/// Kill and inject commands that came over the socket, by step.
+fn live_commands(events: &[Event], keep: impl Fn(u64) -> bool) -> BTreeMap<u64, Vec<Command>> {
+    let mut out: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
+    for e in events {
+        if let Event::Control { step, command, source: Source::Ctl, .. } = e {
+            if keep(*step) && command.changes_results() {
+                out.entry(*step).or_default().push(command.clone());
+            }
+        }
+    }
+    out
+}
+
+fn step_checksums(events: &[Event]) -> Vec<(u64, &BTreeMap<String, String>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step { step, checksums } => Some((*step, checksums)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The first step whose checksums differ, named.
+pub fn compare(recorded: &[Event], replayed: &[Event]) -> anyhow::Result<()> {
+    let (a, b) = (step_checksums(recorded), step_checksums(replayed));
+    for ((step, want), (_, got)) in a.iter().zip(&b) {
+        for (member, sum) in *want {
+            match got.get(member) {
+                Some(g) if g == sum => {}
+                Some(g) => bail!("step {step}: {member} diverged (recorded {sum}, replayed {g})"),
+                None => bail!("step {step}: {member} is missing from the replay"),
+            }
+        }
+        if let Some(extra) = got.keys().find(|m| !want.contains_key(*m)) {
+            bail!("step {step}: the replay has {extra}, the recording does not");
+        }
+    }
+    if a.len() != b.len() {
+        bail!("the recording has {} steps, the replay {}", a.len(), b.len());
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    scenario: Scenario,
+    dir: RunDir,
+    engine: Engine,
+    league: League,
+    learners: BTreeMap<MemberId, Learner>,
+    scheduled: BTreeMap<u64, Vec<Command>>,
+    last_step: u64,
+    journal: Log,
+    metrics: Log,
+) -> anyhow::Result<Summary> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let status = Shared::default();
+        let (queue, control) = mpsc::unbounded_channel();
+        let socket = dir.socket();
+        control::serve(&socket, status.clone(), queue)?;
+        let (done, result) = oneshot::channel();
+        let args = CoordinatorArgs {
+            scenario,
+            dir,
+            engine: Arc::new(engine),
+            league,
+            learners,
+            scheduled,
+            last_step,
+            control,
+            status,
+            journal,
+            metrics,
+            done,
+        };
+        let (_coordinator, handle) = Actor::spawn(None, Coordinator, args)
+            .await
+            .map_err(|e| anyhow::anyhow!("starting the run: {e}"))?;
+        let result = result
+            .await
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the coordinator stopped without a result")));
+        let _ = handle.await;
+        let _ = std::fs::remove_file(&socket);
+        result
+    })
+}
