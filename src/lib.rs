@@ -11,6 +11,7 @@
 //! | [`task`] | AZR triplets, task kinds, prompts, answer parsing, buffers |
 //! | [`eval`] | held-out benchmarks: HumanEval, HumanEval-IO, GSM8K/MATH sets, result tables |
 //! | [`rating`] | TrueSkill ratings and near-balanced (PFSP) matchmaking |
+//! | [`report`] | the run report: plots (SVG, PNG) and index.html from journal and metrics |
 //! | [`rl`] | rewards, TRR++ advantages, PPO-clip token loss |
 //! | [`scenario`] | the scenario schema, defaults, validation |
 //! | [`selfplay`] | one self-play step as plain function calls (phases, rewards, update) |
@@ -22,6 +23,7 @@ pub mod eval;
 pub mod evolve;
 pub mod lora;
 pub mod rating;
+pub mod report;
 pub mod rl;
 pub mod rng;
 pub mod scenario;

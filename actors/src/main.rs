@@ -27,6 +27,8 @@ enum Command {
     Replay(cli::replay::Args),
     /// Continue a run from its last checkpoint.
     Resume(cli::resume::Args),
+    /// Write the run report: plots (SVG, PNG) and index.html.
+    Report(cli::report::Args),
     /// Fetch the default model (or a data set) into the cache.
     Fetch(cli::fetch::Args),
     /// Print the model's configuration and the cache location.
@@ -53,6 +55,7 @@ fn main() {
         Command::Ctl(args) => cli::ctl::run(args),
         Command::Replay(args) => cli::replay::run(args),
         Command::Resume(args) => cli::resume::run(args),
+        Command::Report(args) => cli::report::run(args),
         Command::Fetch(args) => cli::fetch::run(args),
         Command::Info(args) => cli::info::run(args),
         Command::Generate(args) => cli::generate::run(args),

@@ -11,5 +11,6 @@ pub mod generate;
 pub mod import_peft;
 pub mod info;
 pub mod replay;
+pub mod report;
 pub mod resume;
 pub mod run;
