@@ -1,10 +1,10 @@
 //! Scenario schema: malformed files, defaults, the resolved copy, the shipped files.
 
-use populora::scenario::{
-    parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource,
-    Role, Scenario, ScenarioError, TaskKind, TinyModelConfig, WeightedOperator,
-};
 use populora::lora::Target;
+use populora::scenario::{
+    parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource, Role, Scenario,
+    ScenarioError, TaskKind, TinyModelConfig, WeightedOperator,
+};
 use std::path::Path;
 
 const ORIGIN: &str = "scenarios/x.toml";

@@ -78,7 +78,9 @@ fn scripted(
         tokens: [prompt, tokens.as_slice()].concat(),
         score_from: prompt.len(),
     };
-    let logprobs = compute::logprobs(model, set, &[row], 4096).unwrap().remove(0);
+    let logprobs = compute::logprobs(model, set, &[row], 4096)
+        .unwrap()
+        .remove(0);
     Generation {
         tokens,
         logprobs,
@@ -122,7 +124,10 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
         tokenizer: &tok,
     };
     let (teacher, student) = (0u64, 1u64);
-    let mut learners = BTreeMap::from([(teacher, learner(&model, 5, 0)), (student, learner(&model, 5, 1))]);
+    let mut learners = BTreeMap::from([
+        (teacher, learner(&model, 5, 0)),
+        (student, learner(&model, 5, 1)),
+    ]);
     let roster = Roster {
         proposers: vec![teacher],
         matches: BTreeMap::from([(teacher, vec![student])]),
@@ -130,9 +135,14 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
     };
     let pool = pool();
     let mut buffers = TaskBuffers::seeded();
-    let before: Vec<String> = learners.values().map(|l| l.adapter.checksum().unwrap()).collect();
+    let before: Vec<String> = learners
+        .values()
+        .map(|l| l.adapter.checksum().unwrap())
+        .collect();
 
-    let set = learners.iter().fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    let set = learners
+        .iter()
+        .fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
     let jobs = selfplay::proposal_jobs(&ctx, &roster, &buffers).unwrap();
     assert_eq!(jobs.len(), 4);
     let generations = jobs
@@ -144,12 +154,19 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
     let rejections: Vec<_> = proposals.iter().map(|p| p.verdict.rejection()).collect();
     assert_eq!(
         rejections,
-        [None, Some("format.no_program_block".into()), Some("runtime_error".into()), None]
+        [
+            None,
+            Some("format.no_program_block".into()),
+            Some("runtime_error".into()),
+            None
+        ]
     );
     selfplay::accept(&mut buffers, &proposals).unwrap();
     assert_eq!(buffers.len(TaskKind::Deduction), 2);
     assert_eq!(buffers.len(TaskKind::Abduction), 2);
-    let Verdict::Valid { task, .. } = &proposals[3].verdict else { panic!() };
+    let Verdict::Valid { task, .. } = &proposals[3].verdict else {
+        panic!()
+    };
     assert!(format!("{task:?}").contains("'cba'"), "{task:?}");
 
     let problems = selfplay::problems(&ctx, &roster, &proposals, &buffers).unwrap();
@@ -160,7 +177,14 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
         .iter()
         .map(|j| {
             let text = ANSWERS[j.problem][j.sample];
-            scripted(&model, &tok, &set, j.solver, &problems[j.problem].tokens, text)
+            scripted(
+                &model,
+                &tok,
+                &set,
+                j.solver,
+                &problems[j.problem].tokens,
+                text,
+            )
         })
         .collect();
     let solves = selfplay::judge_solutions(&ctx, &problems, jobs, generations, &pool).unwrap();
@@ -191,13 +215,18 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
         let report = selfplay::apply_update(&l.adapter, &mut l.optimizer, grads, 1.0).unwrap();
         assert!(report.grad_norm > 0.0, "member {id} got no gradient");
     }
-    let after: Vec<String> = learners.values().map(|l| l.adapter.checksum().unwrap()).collect();
+    let after: Vec<String> = learners
+        .values()
+        .map(|l| l.adapter.checksum().unwrap())
+        .collect();
     assert_ne!(before[0], after[0], "the teacher learned");
     assert_ne!(before[1], after[1], "the student learned");
 
     // After the update the candle PPO loss must equal the f64 reference on
     // the new log-probs (ratios now differ from 1, some clip).
-    let set = learners.iter().fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    let set = learners
+        .iter()
+        .fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
     let retrain = compute::train_step(&model, &set, &batch.rows, TrainConfig::default()).unwrap();
     for (&id, stats) in &retrain.stats {
         let rows: Vec<_> = batch.rows.iter().filter(|r| r.adapter == id).collect();
@@ -266,7 +295,10 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
         m.phase_ms.clear();
         lines.push(serde_json::to_string(&m).unwrap());
     }
-    let sums = learners.values().map(|l| l.adapter.checksum().unwrap()).collect();
+    let sums = learners
+        .values()
+        .map(|l| l.adapter.checksum().unwrap())
+        .collect();
     (lines, sums)
 }
 

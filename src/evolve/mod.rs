@@ -47,7 +47,8 @@ use crate::lora::{Adapter, LoraModule, ModuleKey};
 use lowrank::Stack;
 
 pub use spec::{
-    operator_names, operators, resolve, LineageRecord, OperatorInfo, OperatorKind, OperatorSpec, ParamInfo,
+    operator_names, operators, resolve, LineageRecord, OperatorInfo, OperatorKind, OperatorSpec,
+    ParamInfo,
 };
 
 #[derive(Debug, thiserror::Error)]

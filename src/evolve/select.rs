@@ -15,7 +15,13 @@ pub struct Candidate {
 pub fn rank(candidates: &[Candidate]) -> Vec<Candidate> {
     let mut ranked = candidates.to_vec();
     ranked.sort_by(|a, b| {
-        let key = |c: &Candidate| if c.fitness.is_nan() { f64::NEG_INFINITY } else { c.fitness };
+        let key = |c: &Candidate| {
+            if c.fitness.is_nan() {
+                f64::NEG_INFINITY
+            } else {
+                c.fitness
+            }
+        };
         key(b).total_cmp(&key(a)).then(a.id.cmp(&b.id))
     });
     ranked
@@ -29,7 +35,12 @@ pub fn cull(candidates: &[Candidate], fraction: f64) -> Vec<u64> {
         return Vec::new();
     }
     let count = ((fraction * n as f64).ceil() as usize).clamp(1, n - 1);
-    rank(candidates).iter().rev().take(count).map(|c| c.id).collect()
+    rank(candidates)
+        .iter()
+        .rev()
+        .take(count)
+        .map(|c| c.id)
+        .collect()
 }
 
 /// Tournament selection: the fittest of `size` members drawn uniformly with
@@ -88,12 +99,16 @@ mod tests {
     fn tournament_and_weights_follow_the_stream() {
         let pop = [c(0, 0.1), c(1, 0.2), c(2, 0.3)];
         let mut rng = rand_chacha::ChaCha12Rng::seed_from_u64(1);
-        let picks: Vec<_> = (0..200).map(|_| tournament(&pop, 3, &mut rng).unwrap()).collect();
+        let picks: Vec<_> = (0..200)
+            .map(|_| tournament(&pop, 3, &mut rng).unwrap())
+            .collect();
         let best = picks.iter().filter(|&&id| id == 2).count();
         assert!(best > 100, "the fittest wins most tournaments: {best}/200");
         assert_eq!(tournament(&[], 2, &mut rng), None);
         let weights = [0.0, 3.0, 1.0];
-        let picks: Vec<_> = (0..400).map(|_| pick_weighted(&weights, &mut rng).unwrap()).collect();
+        let picks: Vec<_> = (0..400)
+            .map(|_| pick_weighted(&weights, &mut rng).unwrap())
+            .collect();
         assert!(!picks.contains(&0));
         let ones = picks.iter().filter(|&&i| i == 1).count();
         assert!((250..350).contains(&ones), "{ones}");

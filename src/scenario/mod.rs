@@ -766,7 +766,11 @@ pub fn check_operator(op: &str) -> Result<(), String> {
         .map(|o| o.kind)
         .ok_or_else(|| {
             let known: Vec<_> = operators().iter().map(|o| o.name).collect();
-            format!("unknown operator `{}` (known: {})", spec.name, known.join(", "))
+            format!(
+                "unknown operator `{}` (known: {})",
+                spec.name,
+                known.join(", ")
+            )
         })?;
     resolve(&spec, kind).map(|_| ()).map_err(|e| e.to_string())
 }

@@ -2,8 +2,8 @@
 
 use super::source_map::SourceMap;
 use super::{
-    parse_member_id, ErrorKind, EventAction, Mode, ModelSource, Scenario,
-    ScenarioError, WeightedOperator,
+    parse_member_id, ErrorKind, EventAction, Mode, ModelSource, Scenario, ScenarioError,
+    WeightedOperator,
 };
 use std::collections::BTreeSet;
 use std::fmt::Display;

@@ -108,8 +108,12 @@ pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatc
                 adapter: e.member,
                 tokens: [e.prompt.as_slice(), e.response.as_slice()].concat(),
                 loss_mask: (0..p + r).map(|t| t >= p).collect(),
-                advantages: (0..p + r).map(|t| if t >= p { advantage as f32 } else { 0.0 }).collect(),
-                old_logprobs: std::iter::repeat_n(0.0, p).chain(e.logprobs.iter().copied()).collect(),
+                advantages: (0..p + r)
+                    .map(|t| if t >= p { advantage as f32 } else { 0.0 })
+                    .collect(),
+                old_logprobs: std::iter::repeat_n(0.0, p)
+                    .chain(e.logprobs.iter().copied())
+                    .collect(),
             }
         })
         .collect();

@@ -104,7 +104,12 @@ impl Roster {
 
     /// Every member that takes part, once, in id order.
     pub fn members(&self) -> Vec<MemberId> {
-        let mut all: Vec<MemberId> = self.proposers.iter().chain(&self.solvers).copied().collect();
+        let mut all: Vec<MemberId> = self
+            .proposers
+            .iter()
+            .chain(&self.solvers)
+            .copied()
+            .collect();
         all.sort_unstable();
         all.dedup();
         all

@@ -98,11 +98,16 @@ pub fn proposal_jobs(
     for &author in &roster.proposers {
         for &kind in &s.task_kinds {
             for index in 0..s.proposals_per_kind {
-                let mut rng =
-                    keyed_stream!(ctx.seed, "propose-prompt", author, ctx.step, kind.name(), index);
-                let prompt = proposer_prompt(kind, buffers, &s.prompt, &mut rng, &|c| {
-                    ctx.measure(c)
-                })?;
+                let mut rng = keyed_stream!(
+                    ctx.seed,
+                    "propose-prompt",
+                    author,
+                    ctx.step,
+                    kind.name(),
+                    index
+                );
+                let prompt =
+                    proposer_prompt(kind, buffers, &s.prompt, &mut rng, &|c| ctx.measure(c))?;
                 let tokens = ctx.encode(&prompt.prompt.chat)?;
                 jobs.push(ProposalJob {
                     author,
@@ -119,8 +124,15 @@ pub fn proposal_jobs(
 
 /// A parsed proposal and the sandbox jobs that validate it.
 enum Parsed {
-    Triplet { program: String, input: String },
-    Induction { program: String, inputs: Vec<String>, message: String },
+    Triplet {
+        program: String,
+        input: String,
+    },
+    Induction {
+        program: String,
+        inputs: Vec<String>,
+        message: String,
+    },
 }
 
 impl Parsed {
@@ -130,7 +142,9 @@ impl Parsed {
                 program: program.clone(),
                 input: input.clone(),
             }],
-            Parsed::Induction { program, inputs, .. } => inputs
+            Parsed::Induction {
+                program, inputs, ..
+            } => inputs
                 .iter()
                 .map(|input| Job::Proposal {
                     program: program.clone(),
@@ -141,7 +155,11 @@ impl Parsed {
     }
 }
 
-fn parse(ctx: &StepContext, job: &ProposalJob, text: &str) -> std::result::Result<Parsed, FormatError> {
+fn parse(
+    ctx: &StepContext,
+    job: &ProposalJob,
+    text: &str,
+) -> std::result::Result<Parsed, FormatError> {
     match (job.kind, &job.prompt.program) {
         (TaskKind::Induction, Some(program)) => {
             let p = parse_induction_proposal(text, ctx.settings.prompt.induction_inputs)?;
@@ -174,11 +192,16 @@ pub fn judge_proposals(
         .iter()
         .map(|g| ctx.decode(&g.tokens))
         .collect::<Result<_>>()?;
-    let parsed: Vec<_> = jobs.iter().zip(&texts).map(|(j, t)| parse(ctx, j, t)).collect();
+    let parsed: Vec<_> = jobs
+        .iter()
+        .zip(&texts)
+        .map(|(j, t)| parse(ctx, j, t))
+        .collect();
     let sandbox_jobs: Vec<Job> = parsed.iter().flatten().flat_map(Parsed::jobs).collect();
     let mut outcomes = pool.batch(&sandbox_jobs).into_iter();
     let mut results = Vec::with_capacity(jobs.len());
-    for (((job, generation), text), parsed) in jobs.into_iter().zip(generations).zip(texts).zip(parsed)
+    for (((job, generation), text), parsed) in
+        jobs.into_iter().zip(generations).zip(texts).zip(parsed)
     {
         let verdict = match parsed {
             Err(e) => Verdict::Malformed(e),
@@ -220,7 +243,9 @@ fn verdict(
         };
     }
     let features = validations.first().and_then(|v| v.features);
-    let outputs = validations.into_iter().map(|v| v.output.unwrap_or_default());
+    let outputs = validations
+        .into_iter()
+        .map(|v| v.output.unwrap_or_default());
     let task = match parsed {
         Parsed::Triplet { program, input } => AcceptedTask::Triplet(Triplet {
             program,

@@ -1,15 +1,16 @@
 //! The solver half of a step: which problems each solver gets, then reading
 //! and scoring the answers.
 
-use super::{check_len, AcceptedTask, MemberId, ProposalResult, Result, Roster, StepContext, Verdict};
+use super::{
+    check_len, AcceptedTask, MemberId, ProposalResult, Result, Roster, StepContext, Verdict,
+};
 use crate::compute::{GenRequest, Generation};
 use crate::keyed_stream;
 use crate::rl::SolverOutcome;
-use crate::task::{
-    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError,
-    SolverTask, TaskBuffers,
-};
 use crate::task::buffer::solver_task_from_induction;
+use crate::task::{
+    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError, SolverTask, TaskBuffers,
+};
 use crate::verify::{Job, Outcome, Status, VerifierPool};
 
 /// A problem put to one or more solvers.
@@ -78,8 +79,14 @@ pub fn problems(
 ) -> Result<Vec<Problem>> {
     let mut tasks: Vec<(Option<usize>, Option<MemberId>, SolverTask, Vec<MemberId>)> = Vec::new();
     for (i, r) in proposals.iter().enumerate() {
-        let Verdict::Valid { task, .. } = &r.verdict else { continue };
-        let solvers = roster.matches.get(&r.job.author).cloned().unwrap_or_default();
+        let Verdict::Valid { task, .. } = &r.verdict else {
+            continue;
+        };
+        let solvers = roster
+            .matches
+            .get(&r.job.author)
+            .cloned()
+            .unwrap_or_default();
         if solvers.is_empty() {
             continue;
         }
@@ -187,7 +194,9 @@ pub fn judge_solutions(
     let sandbox_jobs: Vec<Job> = answers.iter().flatten().cloned().collect();
     let mut judged = pool.batch(&sandbox_jobs).into_iter();
     let mut results = Vec::with_capacity(jobs.len());
-    for (((job, generation), text), answer) in jobs.into_iter().zip(generations).zip(texts).zip(answers) {
+    for (((job, generation), text), answer) in
+        jobs.into_iter().zip(generations).zip(texts).zip(answers)
+    {
         let (outcome, format, status) = match answer {
             Err(e) => (SolverOutcome::Malformed, Some(e), None),
             Ok(_) => {

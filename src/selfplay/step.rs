@@ -41,8 +41,7 @@ impl Clock {
     fn time<T>(&mut self, phase: &str, f: impl FnOnce() -> T) -> T {
         let start = Instant::now();
         let out = f();
-        *self.phase_ms.entry(phase.to_string()).or_default() +=
-            start.elapsed().as_secs_f64() * 1e3;
+        *self.phase_ms.entry(phase.to_string()).or_default() += start.elapsed().as_secs_f64() * 1e3;
         out
     }
 }
@@ -76,11 +75,15 @@ pub fn run_step(
     let jobs = solve_jobs(ctx, &problems);
     let requests = jobs.iter().map(|j| j.request(ctx, &problems)).collect();
     let generations = clock.time("solve", || generate_all(requests))?;
-    let solves = clock.time("score", || judge_solutions(ctx, &problems, jobs, generations, pool))?;
+    let solves = clock.time("score", || {
+        judge_solutions(ctx, &problems, jobs, generations, pool)
+    })?;
 
     let episodes = episodes(ctx.settings, &proposals, &problems, &solves);
     let batch = train_rows(ctx.settings, &episodes)?;
-    let train = clock.time("train", || train_step(model, &adapters, &batch.rows, ctx.settings.train))?;
+    let train = clock.time("train", || {
+        train_step(model, &adapters, &batch.rows, ctx.settings.train)
+    })?;
     drop(adapters);
     let mut grad_norm = BTreeMap::new();
     clock.time("train", || -> Result<()> {
@@ -126,8 +129,11 @@ fn adapter_set<'a>(
     learners: &'a BTreeMap<MemberId, Learner>,
     roster: &Roster,
 ) -> Result<AdapterSet<'a>> {
-    roster.members().into_iter().try_fold(AdapterSet::new(), |set, id| {
-        let learner = learners.get(&id).ok_or(Error::UnknownMember(id))?;
-        Ok(set.with(id, &learner.adapter))
-    })
+    roster
+        .members()
+        .into_iter()
+        .try_fold(AdapterSet::new(), |set, id| {
+            let learner = learners.get(&id).ok_or(Error::UnknownMember(id))?;
+            Ok(set.with(id, &learner.adapter))
+        })
 }

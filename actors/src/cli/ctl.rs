@@ -20,7 +20,9 @@ pub enum Ctl {
     /// Step, phase and members (JSON).
     Status,
     /// Remove a member at the next step boundary.
-    Kill { member: String },
+    Kill {
+        member: String,
+    },
     /// Add a member of ROLE (teacher or student) at the next step boundary.
     Inject {
         role: String,

@@ -18,9 +18,9 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let scenario = Scenario::from_file(&args.scenario, check_operator)?;
-    let out = args
-        .out
-        .unwrap_or_else(|| PathBuf::from("runs").join(format!("{}-seed{}", scenario.name, scenario.seed)));
+    let out = args.out.unwrap_or_else(|| {
+        PathBuf::from("runs").join(format!("{}-seed{}", scenario.name, scenario.seed))
+    });
     eprintln!("run directory: {}", out.display());
     let summary = replay::fresh(scenario, &out)?;
     print_summary(&summary, &out);
@@ -28,7 +28,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 pub fn print_summary(summary: &crate::runtime::coordinator::Summary, out: &std::path::Path) {
-    let how = if summary.stopped_early { "stopped" } else { "finished" };
+    let how = if summary.stopped_early {
+        "stopped"
+    } else {
+        "finished"
+    };
     println!(
         "{how} after {} steps in {:.1}s; {} members; run directory {}",
         summary.steps,

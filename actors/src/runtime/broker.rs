@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use populora::base::Llama;
-use populora::compute::{generate, train_step, AdapterSet, GenRequest, Generation, TrainConfig, TrainRow, TrainStats};
+use populora::compute::{
+    generate, train_step, AdapterSet, GenRequest, Generation, TrainConfig, TrainRow, TrainStats,
+};
 use populora::lora::{Adapter, AdapterGrads};
 use populora::selfplay::MemberId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -123,7 +125,12 @@ impl Actor for Broker {
                 requests,
                 reply,
             } => {
-                if let Some(request) = admit(state, phase, member, Pending::Generate(adapter, requests, reply)) {
+                if let Some(request) = admit(
+                    state,
+                    phase,
+                    member,
+                    Pending::Generate(adapter, requests, reply),
+                ) {
                     refuse(request, phase, member);
                 }
             }
@@ -134,7 +141,9 @@ impl Actor for Broker {
                 rows,
                 reply,
             } => {
-                if let Some(request) = admit(state, phase, member, Pending::Train(adapter, rows, reply)) {
+                if let Some(request) =
+                    admit(state, phase, member, Pending::Train(adapter, rows, reply))
+                {
                     refuse(request, phase, member);
                 }
             }
@@ -154,7 +163,12 @@ impl Actor for Broker {
 }
 
 /// Hold a member's request for the phase; gives it back when it does not belong.
-fn admit(state: &mut BrokerState, phase: Phase, member: MemberId, request: Pending) -> Option<Pending> {
+fn admit(
+    state: &mut BrokerState,
+    phase: Phase,
+    member: MemberId,
+    request: Pending,
+) -> Option<Pending> {
     let expected = state.phase == Some(phase) && state.expected.binary_search(&member).is_ok();
     if !expected || state.pending.contains_key(&member) {
         return Some(request);
@@ -215,7 +229,9 @@ async fn run(state: &mut BrokerState) {
     state.usage.largest_batch = state.usage.largest_batch.max(batch);
     let start = Instant::now();
     let result = tokio::task::spawn_blocking(move || {
-        let set = adapters.iter().fold(AdapterSet::new(), |s, (id, a)| s.with(*id, a));
+        let set = adapters
+            .iter()
+            .fold(AdapterSet::new(), |s, (id, a)| s.with(*id, a));
         let generated = if requests.is_empty() {
             Ok(Vec::new())
         } else {

@@ -65,6 +65,8 @@ pub struct LiveStatus {
     pub phase: String,
     pub paused: bool,
     pub solo: bool,
+    /// Students each teacher must be matched with (cross-evaluation).
+    pub students_per_teacher: usize,
     pub members: Vec<MemberEntry>,
 }
 
@@ -84,12 +86,31 @@ pub fn check(command: &Command, status: &LiveStatus) -> Result<String, String> {
         Command::Pause => Ok(format!("will pause before step {next}")),
         Command::Resume => Ok("will resume".into()),
         Command::Stop => Ok(format!("will stop with a checkpoint before step {next}")),
-        _ if status.solo => Err("the solo baseline has one member: kill and inject do not apply".into()),
+        _ if status.solo => {
+            Err("the solo baseline has one member: kill and inject do not apply".into())
+        }
         Command::Kill { member } => {
             let m = alive(member).ok_or_else(|| format!("no live member `{member}`"))?;
             let same_role = status.members.iter().filter(|o| o.role == m.role).count();
             if same_role < 2 {
-                return Err(format!("`{member}` is the last {}; refusing to kill it", m.role));
+                return Err(format!(
+                    "`{member}` is the last {}; refusing to kill it",
+                    m.role
+                ));
+            }
+            let left: Vec<&MemberEntry> =
+                status.members.iter().filter(|o| o.id != *member).collect();
+            for teacher in left.iter().filter(|t| t.role == "teacher") {
+                let eligible = left
+                    .iter()
+                    .filter(|s| s.role == "student" && s.subpop != teacher.subpop)
+                    .count();
+                if eligible < status.students_per_teacher {
+                    return Err(format!(
+                        "killing `{member}` would leave {} with {eligible} students outside its sub-population ({} needed)",
+                        teacher.id, status.students_per_teacher
+                    ));
+                }
             }
             Ok(format!("will kill {member} at the start of step {next}"))
         }
@@ -97,32 +118,47 @@ pub fn check(command: &Command, status: &LiveStatus) -> Result<String, String> {
             for parent in from {
                 let m = alive(parent).ok_or_else(|| format!("no live member `{parent}`"))?;
                 if m.role != role.as_str() {
-                    return Err(format!("`{parent}` is a {}, not a {}", m.role, role.as_str()));
+                    return Err(format!(
+                        "`{parent}` is a {}, not a {}",
+                        m.role,
+                        role.as_str()
+                    ));
                 }
             }
             if let Some(op) = op {
                 check_operator(op)?;
             }
-            Ok(format!("will inject a new {} at the start of step {next}", role.as_str()))
+            Ok(format!(
+                "will inject a new {} at the start of step {next}",
+                role.as_str()
+            ))
         }
     }
 }
 
 /// Parse one request line (a bad line is answered, never fatal).
 fn parse(line: &str) -> Result<Command, String> {
-    let command: Command = serde_json::from_str(line).map_err(|e| format!("malformed command: {e}"))?;
+    let command: Command =
+        serde_json::from_str(line).map_err(|e| format!("malformed command: {e}"))?;
     if let Command::Kill { member } = &command {
         if parse_member_id(member).is_none() {
-            return Err(format!("`{member}` is not a member id (teacher-N or student-N)"));
+            return Err(format!(
+                "`{member}` is not a member id (teacher-N or student-N)"
+            ));
         }
     }
     Ok(command)
 }
 
 /// Bind the socket and serve it until the runtime stops.
-pub fn serve(path: &Path, status: Shared, queue: mpsc::UnboundedSender<Command>) -> anyhow::Result<()> {
+pub fn serve(
+    path: &Path,
+    status: Shared,
+    queue: mpsc::UnboundedSender<Command>,
+) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {

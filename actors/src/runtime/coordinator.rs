@@ -213,11 +213,7 @@ impl Actor for Coordinator {
     }
 }
 
-async fn spawn_member(
-    state: &mut State,
-    id: MemberId,
-    learner: Learner,
-) -> anyhow::Result<()> {
+async fn spawn_member(state: &mut State, id: MemberId, learner: Learner) -> anyhow::Result<()> {
     let engine = &state.args.engine;
     let args = MemberArgs {
         id,
@@ -243,10 +239,16 @@ fn publish(state: &State, phase: &str) {
         phase: phase.to_string(),
         paused: state.paused,
         solo: state.args.scenario.population.mode == Mode::Solo,
+        students_per_teacher: state.args.scenario.population.students_per_teacher,
         members: league.entries(),
     };
     *state.args.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
-    super::progress::phase(league.step + 1, state.args.last_step, phase, &state.step_times);
+    super::progress::phase(
+        league.step + 1,
+        state.args.last_step,
+        phase,
+        &state.step_times,
+    );
 }
 
 /// Run the next step (with retries); `Ok(false)` when the run is over.
@@ -261,7 +263,9 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
     }
     let started = Instant::now();
     let before = state.args.league.clone();
-    let snapshots = snapshot_all(state).await.map_err(|d| anyhow::anyhow!(d.0))?;
+    let snapshots = snapshot_all(state)
+        .await
+        .map_err(|d| anyhow::anyhow!(d.0))?;
     loop {
         match attempt(state, s, &commands).await {
             Ok(outcome) => {
@@ -275,11 +279,19 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
                 restore_all(state, &snapshots).await?;
                 let now = Instant::now();
                 state.restarts.push_back(now);
-                while state.restarts.front().is_some_and(|t| now - *t > RESTART_WINDOW) {
+                while state
+                    .restarts
+                    .front()
+                    .is_some_and(|t| now - *t > RESTART_WINDOW)
+                {
                     state.restarts.pop_front();
                 }
                 let give_up = state.restarts.len() > MAX_RESTARTS;
-                let action = if give_up { "stopped" } else { "restarted; step retried" };
+                let action = if give_up {
+                    "stopped"
+                } else {
+                    "restarted; step retried"
+                };
                 state.args.journal.append(&Event::Fault {
                     step: s,
                     member: "member".into(),
@@ -359,7 +371,12 @@ async fn snapshot_all(state: &State) -> Result<BTreeMap<MemberId, Learner>, Died
     for (&id, actor) in &state.members {
         let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
             .await?
-            .map_err(|e| Died(format!("{}: snapshot failed: {e}", state.args.league.name(id))))?;
+            .map_err(|e| {
+                Died(format!(
+                    "{}: snapshot failed: {e}",
+                    state.args.league.name(id)
+                ))
+            })?;
         out.insert(id, learner);
     }
     Ok(out)
@@ -385,7 +402,6 @@ struct Outcome {
     metrics: StepMetrics,
 }
 
-
 async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> StepResult<Outcome> {
     let engine = state.args.engine.clone();
     let ctx = StepContext {
@@ -405,10 +421,12 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     let proposers = state.args.league.ids(|m| m.part.proposes());
     let buffers = Arc::new(state.args.league.buffers.clone());
     let start = Instant::now();
-    let proposed = phase(state, Phase::Propose(s), &proposers, |_, reply| MemberMsg::Propose {
-        step: s,
-        buffers: buffers.clone(),
-        reply,
+    let proposed = phase(state, Phase::Propose(s), &proposers, |_, reply| {
+        MemberMsg::Propose {
+            step: s,
+            buffers: buffers.clone(),
+            reply,
+        }
     })
     .await?;
     clock.add("propose", start);
@@ -436,10 +454,12 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     solvers.dedup();
     publish(state, "solve");
     let start = Instant::now();
-    let solved = phase(state, Phase::Solve(s), &solvers, |_, reply| MemberMsg::Solve {
-        step: s,
-        problems: problems.clone(),
-        reply,
+    let solved = phase(state, Phase::Solve(s), &solvers, |_, reply| {
+        MemberMsg::Solve {
+            step: s,
+            problems: problems.clone(),
+            reply,
+        }
     })
     .await?;
     clock.add("solve", start);
@@ -465,15 +485,20 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         rows.entry(row.adapter).or_default().push(row.clone());
     }
     let trainees: Vec<MemberId> = rows.keys().copied().collect();
-    let reports = phase(state, Phase::Train(s), &trainees, |id, reply| MemberMsg::Train {
-        step: s,
-        rows: rows.remove(&id).unwrap_or_default(),
-        reply,
+    let reports = phase(state, Phase::Train(s), &trainees, |id, reply| {
+        MemberMsg::Train {
+            step: s,
+            rows: rows.remove(&id).unwrap_or_default(),
+            reply,
+        }
     })
     .await?;
     clock.add("train", start);
 
-    let solve_kinds: Vec<_> = solves.iter().map(|r| problems[r.job.problem].task.kind()).collect();
+    let solve_kinds: Vec<_> = solves
+        .iter()
+        .map(|r| problems[r.job.problem].task.kind())
+        .collect();
     let mut metrics = StepMetrics::measure(
         s,
         &engine.settings,
@@ -506,7 +531,9 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     }
     // The broker's own compute time: how much of the step the model was busy.
     let usage = ask(&state.broker, |reply| BrokerMsg::Usage { reply }).await?;
-    clock.phase_ms.insert("compute".into(), usage.generate_ms + usage.train_ms);
+    clock
+        .phase_ms
+        .insert("compute".into(), usage.generate_ms + usage.train_ms);
     metrics.phase_ms = clock.phase_ms;
     Ok(Outcome { events, metrics })
 }
@@ -529,7 +556,10 @@ async fn phase<T: Send + 'static>(
     let mut pending = tokio::task::JoinSet::new();
     for &id in ids {
         let name = state.args.league.name(id);
-        let actor = state.members.get(&id).ok_or_else(|| Died(format!("{name} has no actor")))?;
+        let actor = state
+            .members
+            .get(&id)
+            .ok_or_else(|| Died(format!("{name} has no actor")))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         actor
             .send_message(message(id, tx.into()))
@@ -572,7 +602,11 @@ fn trueskill() -> TrueSkillConfig {
 fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
     let league = &state.args.league;
     if state.args.scenario.population.mode == Mode::Solo {
-        let id = *league.members.keys().next().context("the solo member is gone")?;
+        let id = *league
+            .members
+            .keys()
+            .next()
+            .context("the solo member is gone")?;
         return Ok(Roster::solo(id));
     }
     let players = |part: Part| -> Vec<Player> {
@@ -598,7 +632,11 @@ fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
     let id_of = |name: &str| league.by_name(name).context("matched member vanished");
     let mut matches = BTreeMap::new();
     for p in pairings {
-        let students = p.students.iter().map(|n| id_of(n)).collect::<anyhow::Result<Vec<_>>>()?;
+        let students = p
+            .students
+            .iter()
+            .map(|n| id_of(n))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         matches.insert(id_of(&p.teacher)?, students);
     }
     Ok(Roster {
@@ -609,10 +647,16 @@ fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
 }
 
 /// TrueSkill: a teacher wins each attempt its matched student fails.
-fn rate(league: &mut League, problems: &[Problem], solves: &[selfplay::SolveResult]) -> anyhow::Result<()> {
+fn rate(
+    league: &mut League,
+    problems: &[Problem],
+    solves: &[selfplay::SolveResult],
+) -> anyhow::Result<()> {
     let mut tally: BTreeMap<(MemberId, MemberId), (usize, usize)> = BTreeMap::new();
     for r in solves {
-        let Some(teacher) = problems[r.job.problem].author else { continue };
+        let Some(teacher) = problems[r.job.problem].author else {
+            continue;
+        };
         if teacher == r.job.solver {
             continue;
         }
@@ -622,7 +666,10 @@ fn rate(league: &mut League, problems: &[Problem], solves: &[selfplay::SolveResu
     }
     let cfg = trueskill();
     for ((teacher, student), (solved, attempts)) in tally {
-        let (Some(mut t), Some(mut st)) = (league.ratings.get(&teacher).copied(), league.ratings.get(&student).copied()) else {
+        let (Some(mut t), Some(mut st)) = (
+            league.ratings.get(&teacher).copied(),
+            league.ratings.get(&student).copied(),
+        ) else {
             continue;
         };
         record_problem(&mut t, &mut st, solved, attempts, &cfg)?;
@@ -687,8 +734,15 @@ fn remove_member(state: &mut State, id: MemberId) {
 async fn add_member(state: &mut State, s: u64, part: Part, child: Newborn) -> StepResult<Event> {
     let fresh = trueskill();
     let rating = populora::rating::Rating::fresh(&fresh);
-    let id = state.args.league.add(part, child.subpop, s, child.parents.clone(), rating);
-    let checksum = child.learner.adapter.checksum().map_err(anyhow::Error::from)?;
+    let id = state
+        .args
+        .league
+        .add(part, child.subpop, s, child.parents.clone(), rating);
+    let checksum = child
+        .learner
+        .adapter
+        .checksum()
+        .map_err(anyhow::Error::from)?;
     state.args.league.checksums.insert(id, checksum);
     spawn_member(state, id, child.learner).await?;
     Ok(Event::Spawn {
@@ -713,6 +767,7 @@ async fn apply_command(
         step: s - 1,
         steps: state.args.last_step,
         solo: state.args.scenario.population.mode == Mode::Solo,
+        students_per_teacher: state.args.scenario.population.students_per_teacher,
         members: state.args.league.entries(),
         ..LiveStatus::default()
     };
@@ -743,7 +798,10 @@ async fn apply_command(
         Command::Inject { role, from, op } => {
             let part = Part::of(*role);
             let contenders = contenders(state, part).await?;
-            let from: Vec<MemberId> = from.iter().filter_map(|n| state.args.league.by_name(n)).collect();
+            let from: Vec<MemberId> = from
+                .iter()
+                .filter_map(|n| state.args.league.by_name(n))
+                .collect();
             let subpop = state
                 .args
                 .league
@@ -768,7 +826,12 @@ async fn apply_command(
 
 /// Write the step: journal events and checksums, the metrics line, the
 /// checkpoint when due, and the one-line summary.
-async fn commit(state: &mut State, s: u64, outcome: Outcome, started: Instant) -> anyhow::Result<()> {
+async fn commit(
+    state: &mut State,
+    s: u64,
+    outcome: Outcome,
+    started: Instant,
+) -> anyhow::Result<()> {
     for event in &outcome.events {
         state.args.journal.append(event)?;
     }
@@ -777,7 +840,12 @@ async fn commit(state: &mut State, s: u64, outcome: Outcome, started: Instant) -
         checksums: state.args.league.checksums_by_name(),
     })?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
-    let line = super::metrics::line(&state.args.league, &state.args.scenario, &outcome.metrics, wall_ms);
+    let line = super::metrics::line(
+        &state.args.league,
+        &state.args.scenario,
+        &outcome.metrics,
+        wall_ms,
+    );
     state.args.metrics.append(&line)?;
     state.step_times.push(wall_ms / 1e3);
     if s % state.args.scenario.checkpoint.every == 0 || s == state.args.last_step {

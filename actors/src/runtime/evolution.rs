@@ -12,8 +12,8 @@ use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter};
 use populora::scenario::{EvolutionConfig, OptimizerInit};
 use populora::selfplay::{Learner, MemberId};
-use rand_chacha::ChaCha12Rng;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use rand_chacha::ChaCha12Rng;
 
 /// A member of one role as evolution sees it: fitness and a snapshot.
 pub struct Contender {
@@ -111,9 +111,16 @@ impl Actor for Evolution {
             } => {
                 let born = tokio::task::spawn_blocking(move || {
                     let mut rng = keyed_stream!(seed, "inject", step, label.as_str());
-                    let breeder = Breeder { config: &config, adamw, contenders: &contenders };
+                    let breeder = Breeder {
+                        config: &config,
+                        adamw,
+                        contenders: &contenders,
+                    };
                     let parents = if from.is_empty() {
-                        breeder.parents(&contenders.iter().map(|c| c.id).collect::<Vec<_>>(), &mut rng)
+                        breeder.parents(
+                            &contenders.iter().map(|c| c.id).collect::<Vec<_>>(),
+                            &mut rng,
+                        )
                     } else {
                         from
                     };
@@ -138,7 +145,10 @@ fn evolve_role(
 ) -> anyhow::Result<Plan> {
     let candidates: Vec<Candidate> = contenders
         .iter()
-        .map(|c| Candidate { id: c.id, fitness: c.fitness })
+        .map(|c| Candidate {
+            id: c.id,
+            fitness: c.fitness,
+        })
         .collect();
     let culled = cull(&candidates, config.cull_fraction);
     let survivors: Vec<MemberId> = candidates
@@ -146,7 +156,11 @@ fn evolve_role(
         .map(|c| c.id)
         .filter(|id| !culled.contains(id))
         .collect();
-    let breeder = Breeder { config, adamw, contenders: &contenders };
+    let breeder = Breeder {
+        config,
+        adamw,
+        contenders: &contenders,
+    };
     let mut born = Vec::new();
     let mut out = Vec::new();
     for (k, &dead) in culled.iter().enumerate() {
@@ -179,11 +193,20 @@ impl Breeder<'_> {
             .contenders
             .iter()
             .filter(|c| pool.contains(&c.id))
-            .map(|c| Candidate { id: c.id, fitness: c.fitness })
+            .map(|c| Candidate {
+                id: c.id,
+                fitness: c.fitness,
+            })
             .collect();
         let size = self.config.tournament;
-        let Some(first) = tournament(&candidates, size, rng) else { return Vec::new() };
-        let others: Vec<Candidate> = candidates.iter().copied().filter(|c| c.id != first).collect();
+        let Some(first) = tournament(&candidates, size, rng) else {
+            return Vec::new();
+        };
+        let others: Vec<Candidate> = candidates
+            .iter()
+            .copied()
+            .filter(|c| c.id != first)
+            .collect();
         match tournament(&others, size, rng) {
             Some(second) => vec![first, second],
             None => vec![first],
@@ -199,7 +222,10 @@ impl Breeder<'_> {
         subpop: usize,
         rng: &mut ChaCha12Rng,
     ) -> anyhow::Result<Newborn> {
-        let chosen: Vec<&Contender> = parents.iter().map(|&id| self.get(id)).collect::<anyhow::Result<_>>()?;
+        let chosen: Vec<&Contender> = parents
+            .iter()
+            .map(|&id| self.get(id))
+            .collect::<anyhow::Result<_>>()?;
         let Some(first) = chosen.first() else {
             anyhow::bail!("no parents to breed from")
         };
@@ -255,7 +281,10 @@ impl Breeder<'_> {
     }
 }
 
-fn draw(ops: &[populora::scenario::WeightedOperator], rng: &mut ChaCha12Rng) -> anyhow::Result<Option<OperatorSpec>> {
+fn draw(
+    ops: &[populora::scenario::WeightedOperator],
+    rng: &mut ChaCha12Rng,
+) -> anyhow::Result<Option<OperatorSpec>> {
     let weights: Vec<f64> = ops.iter().map(|o| o.weight).collect();
     match pick_weighted(&weights, rng) {
         Some(i) => Ok(Some(OperatorSpec::parse(&ops[i].op)?)),

@@ -122,7 +122,8 @@ impl Log {
 
 /// Keep the first `keep` lines of `path`; returns how many it has now.
 fn truncate_lines(path: &Path, keep: usize) -> anyhow::Result<usize> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let kept: Vec<&str> = text.lines().take(keep).collect();
     let mut out = kept.join("\n");
     if !kept.is_empty() {

@@ -91,10 +91,22 @@ impl League {
             }
             Mode::Population => {
                 for i in 0..p.teachers {
-                    league.add(Part::Teacher, scenario.subpopulation_of(i), 0, Vec::new(), fresh);
+                    league.add(
+                        Part::Teacher,
+                        scenario.subpopulation_of(i),
+                        0,
+                        Vec::new(),
+                        fresh,
+                    );
                 }
                 for j in 0..p.students {
-                    league.add(Part::Student, scenario.subpopulation_of(j), 0, Vec::new(), fresh);
+                    league.add(
+                        Part::Student,
+                        scenario.subpopulation_of(j),
+                        0,
+                        Vec::new(),
+                        fresh,
+                    );
                 }
             }
         }
@@ -102,7 +114,14 @@ impl League {
     }
 
     /// A new member; returns its id.
-    pub fn add(&mut self, part: Part, subpop: usize, born: u64, parents: Vec<String>, rating: Rating) -> MemberId {
+    pub fn add(
+        &mut self,
+        part: Part,
+        subpop: usize,
+        born: u64,
+        parents: Vec<String>,
+        rating: Rating,
+    ) -> MemberId {
         let id = self.next_id;
         self.next_id += 1;
         let index = self.next_index.entry(part.name().to_string()).or_default();
@@ -130,15 +149,24 @@ impl League {
     }
 
     pub fn name(&self, id: MemberId) -> String {
-        self.members.get(&id).map_or_else(|| format!("#{id}"), |m| m.name.clone())
+        self.members
+            .get(&id)
+            .map_or_else(|| format!("#{id}"), |m| m.name.clone())
     }
 
     pub fn by_name(&self, name: &str) -> Option<MemberId> {
-        self.members.iter().find(|(_, m)| m.name == name).map(|(&id, _)| id)
+        self.members
+            .iter()
+            .find(|(_, m)| m.name == name)
+            .map(|(&id, _)| id)
     }
 
     pub fn ids(&self, keep: impl Fn(&MemberInfo) -> bool) -> Vec<MemberId> {
-        self.members.iter().filter(|(_, m)| keep(m)).map(|(&id, _)| id).collect()
+        self.members
+            .iter()
+            .filter(|(_, m)| keep(m))
+            .map(|(&id, _)| id)
+            .collect()
     }
 
     pub fn entries(&self) -> Vec<MemberEntry> {
@@ -155,7 +183,12 @@ impl League {
     /// The sub-population of `part` with the fewest members (lowest index on ties).
     pub fn smallest_subpop(&self, part: Part, subpops: usize) -> usize {
         (0..subpops.max(1))
-            .min_by_key(|&g| self.members.values().filter(|m| m.part == part && m.subpop == g).count())
+            .min_by_key(|&g| {
+                self.members
+                    .values()
+                    .filter(|m| m.part == part && m.subpop == g)
+                    .count()
+            })
             .unwrap_or(0)
     }
 
@@ -181,6 +214,9 @@ impl League {
     }
 
     pub fn checksums_by_name(&self) -> BTreeMap<String, String> {
-        self.checksums.iter().map(|(&id, c)| (self.name(id), c.clone())).collect()
+        self.checksums
+            .iter()
+            .map(|(&id, c)| (self.name(id), c.clone()))
+            .collect()
     }
 }

@@ -188,7 +188,11 @@ async fn solve(
     Ok(jobs.into_iter().zip(generations).collect())
 }
 
-async fn train(state: &mut MemberState, step: u64, rows: Vec<TrainRow>) -> anyhow::Result<TrainReport> {
+async fn train(
+    state: &mut MemberState,
+    step: u64,
+    rows: Vec<TrainRow>,
+) -> anyhow::Result<TrainReport> {
     let me = state.args.id;
     let adapter = state.adapter();
     let (grads, stats) = ask(&state.args.broker, |reply| BrokerMsg::Train {
@@ -239,7 +243,9 @@ pub fn load(dir: &std::path::Path) -> anyhow::Result<Learner> {
 /// in that phase, so tests can check supervision (restart and retry).
 fn fault_hook(name: &str, step: u64, phase: &str) {
     static FIRED: AtomicBool = AtomicBool::new(false);
-    let Ok(spec) = std::env::var("POPULORA_FAULT") else { return };
+    let Ok(spec) = std::env::var("POPULORA_FAULT") else {
+        return;
+    };
     if spec == format!("{name}@{step}:{phase}") && !FIRED.swap(true, Ordering::SeqCst) {
         panic!("injected fault (POPULORA_FAULT={spec})");
     }

@@ -13,7 +13,11 @@ pub fn phase(step: u64, steps: u64, phase: &str, step_seconds: &[f64]) {
     }
     let done = step.saturating_sub(1).min(steps);
     let width = 24usize;
-    let filled = if steps == 0 { width } else { (done as usize * width) / steps as usize };
+    let filled = if steps == 0 {
+        width
+    } else {
+        (done as usize * width) / steps as usize
+    };
     let eta = match step_seconds.len() {
         0 => "ETA --".to_string(),
         n => {

@@ -41,8 +41,19 @@ fn fresh_with(
     let mut learners = BTreeMap::new();
     for (&id, info) in &league.members {
         let mut rng = keyed_stream!(scenario.seed, "init", info.name.as_str());
-        let adapter = Adapter::new(engine.lora.clone(), &engine.model.config, &mut rng, &candle_core::Device::Cpu)?;
-        learners.insert(id, Learner { adapter, optimizer: AdamW::new(engine.adamw) });
+        let adapter = Adapter::new(
+            engine.lora.clone(),
+            &engine.model.config,
+            &mut rng,
+            &candle_core::Device::Cpu,
+        )?;
+        learners.insert(
+            id,
+            Learner {
+                adapter,
+                optimizer: AdamW::new(engine.adamw),
+            },
+        );
     }
     for (&id, learner) in &learners {
         league.checksums.insert(id, learner.adapter.checksum()?);
@@ -55,7 +66,9 @@ fn fresh_with(
     })?;
     let metrics = Log::open(&dir.metrics(), None)?;
     let last_step = last_step.unwrap_or(scenario.steps);
-    launch(scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics)
+    launch(
+        scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics,
+    )
 }
 
 /// Continue `dir` from its newest checkpoint. Live commands the crashed run
@@ -67,23 +80,35 @@ pub fn resume(root: &Path) -> anyhow::Result<Summary> {
         .latest_checkpoint()?
         .with_context(|| format!("{} has no checkpoint to resume from", root.display()))?;
     let events = journal::read(&dir.journal())?;
-    if let Some(Event::End { step: end, .. }) = events.iter().rev().find(|e| matches!(e, Event::End { .. })) {
+    if let Some(Event::End { step: end, .. }) =
+        events.iter().rev().find(|e| matches!(e, Event::End { .. }))
+    {
         if *end >= scenario.steps {
-            bail!("{} finished all {} steps; nothing to resume", root.display(), scenario.steps);
+            bail!(
+                "{} finished all {} steps; nothing to resume",
+                root.display(),
+                scenario.steps
+            );
         }
     }
     let league_path = checkpoint.join("league.json");
     let league: League = serde_json::from_slice(
-        &std::fs::read(&league_path).with_context(|| format!("reading {}", league_path.display()))?,
+        &std::fs::read(&league_path)
+            .with_context(|| format!("reading {}", league_path.display()))?,
     )
     .with_context(|| format!("{} is corrupt", league_path.display()))?;
     if league.step != step {
-        bail!("{} records step {}, not {step}", league_path.display(), league.step);
+        bail!(
+            "{} records step {}, not {step}",
+            league_path.display(),
+            league.step
+        );
     }
     let mut learners = BTreeMap::new();
     for (&id, info) in &league.members {
         let member_dir = checkpoint.join("members").join(&info.name);
-        let learner = member::load(&member_dir).with_context(|| format!("loading {}", member_dir.display()))?;
+        let learner = member::load(&member_dir)
+            .with_context(|| format!("loading {}", member_dir.display()))?;
         learners.insert(id, learner);
     }
     let scheduled = live_commands(&events, |s| s > step);
@@ -92,7 +117,9 @@ pub fn resume(root: &Path) -> anyhow::Result<Summary> {
     let metrics = Log::open(&dir.metrics(), Some(league.metrics_lines))?;
     eprintln!("resuming {} from step {step}", root.display());
     let last_step = scenario.steps;
-    launch(scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics)
+    launch(
+        scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics,
+    )
 }
 
 /// Re-execute a finished run into `DIR/replay/` and compare every step's
@@ -105,13 +132,21 @@ pub fn replay(root: &Path) -> anyhow::Result<Summary> {
         Event::End { step, .. } => Some(*step),
         _ => None,
     }) else {
-        bail!("{} did not finish (no end event in its journal); `populora resume` it first", root.display());
+        bail!(
+            "{} did not finish (no end event in its journal); `populora resume` it first",
+            root.display()
+        );
     };
     let out = root.join("replay");
     if out.exists() {
         std::fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
     }
-    let summary = fresh_with(scenario, &out, live_commands(&recorded, |_| true), Some(end))?;
+    let summary = fresh_with(
+        scenario,
+        &out,
+        live_commands(&recorded, |_| true),
+        Some(end),
+    )?;
     let replayed = journal::read(&out.join("journal.jsonl"))?;
     compare(&recorded, &replayed)?;
     Ok(summary)
@@ -121,7 +156,13 @@ pub fn replay(root: &Path) -> anyhow::Result<Summary> {
 fn live_commands(events: &[Event], keep: impl Fn(u64) -> bool) -> BTreeMap<u64, Vec<Command>> {
     let mut out: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
     for e in events {
-        if let Event::Control { step, command, source: Source::Ctl, .. } = e {
+        if let Event::Control {
+            step,
+            command,
+            source: Source::Ctl,
+            ..
+        } = e
+        {
             if keep(*step) && command.changes_results() {
                 out.entry(*step).or_default().push(command.clone());
             }
@@ -156,7 +197,11 @@ pub fn compare(recorded: &[Event], replayed: &[Event]) -> anyhow::Result<()> {
         }
     }
     if a.len() != b.len() {
-        bail!("the recording has {} steps, the replay {}", a.len(), b.len());
+        bail!(
+            "the recording has {} steps, the replay {}",
+            a.len(),
+            b.len()
+        );
     }
     Ok(())
 }

@@ -63,10 +63,15 @@ impl RunDir {
             return Ok(None);
         }
         let mut best = None;
-        for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))?
+        {
             let entry = entry?;
             let name = entry.file_name().to_string_lossy().to_string();
-            if let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse::<u64>().ok()) {
+            if let Some(step) = name
+                .strip_prefix("step-")
+                .and_then(|s| s.parse::<u64>().ok())
+            {
                 if best.as_ref().is_none_or(|(b, _)| step > *b) {
                     best = Some((step, entry.path()));
                 }

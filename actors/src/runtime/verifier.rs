@@ -89,7 +89,8 @@ impl Actor for Verifier {
                     judge_proposals(&ctx, jobs, generations, &pool).map_err(anyhow::Error::from)
                 })
                 .await;
-                let _ = reply.send(judged.unwrap_or_else(|e| Err(anyhow::anyhow!("verifier thread: {e}"))));
+                let _ = reply
+                    .send(judged.unwrap_or_else(|e| Err(anyhow::anyhow!("verifier thread: {e}"))));
             }
             VerifierMsg::Solutions {
                 step,
@@ -109,7 +110,8 @@ impl Actor for Verifier {
                         .map_err(anyhow::Error::from)
                 })
                 .await;
-                let _ = reply.send(judged.unwrap_or_else(|e| Err(anyhow::anyhow!("verifier thread: {e}"))));
+                let _ = reply
+                    .send(judged.unwrap_or_else(|e| Err(anyhow::anyhow!("verifier thread: {e}"))));
             }
         }
         Ok(())

@@ -1,0 +1,265 @@
+//! The runtime end to end on `scenarios/tiny.toml` (a random tiny model, no
+//! download): determinism, replay with live commands, kill -9 + resume,
+//! supervision of a panicking member, and malformed scenarios.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+fn scenario(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scenarios")
+        .join(name)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("populora-runtime-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn populora(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_populora"));
+    c.args(args);
+    c
+}
+
+fn ok(out: Output) -> String {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(
+        out.status.success(),
+        "failed: {}\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+fn run_to(dir: &Path, file: &Path) -> String {
+    ok(populora(&[
+        "run",
+        file.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap())
+}
+
+fn journal(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("journal.jsonl")).unwrap()
+}
+
+/// The `end` event's line (it holds every member's final checksum).
+fn end_line(dir: &Path) -> String {
+    journal(dir)
+        .lines()
+        .find(|l| l.contains(r#""event":"end""#))
+        .unwrap_or_else(|| panic!("no end event in {}", dir.display()))
+        .to_string()
+}
+
+/// One uninterrupted run of tiny.toml, shared by the tests that compare with it.
+fn baseline() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = scratch("baseline");
+        run_to(&dir, &scenario("tiny.toml"));
+        dir
+    })
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn ctl(dir: &Path, args: &[&str]) -> String {
+    let mut all = vec!["ctl", dir.to_str().unwrap()];
+    all.extend_from_slice(args);
+    ok(populora(&all).output().unwrap())
+}
+
+#[test]
+fn same_seed_gives_the_same_journal_and_replay_verifies_it() {
+    let again = scratch("again");
+    let out = run_to(&again, &scenario("tiny.toml"));
+    assert!(out.contains("step 4/4"), "{out}");
+    assert_eq!(journal(baseline()), journal(&again));
+    for file in [
+        "scenario.toml",
+        "metrics.jsonl",
+        "members/student-0/adapter/adapter.json",
+    ] {
+        assert!(again.join(file).exists(), "{file} missing");
+    }
+    let replayed = ok(populora(&["replay", again.to_str().unwrap()])
+        .output()
+        .unwrap());
+    assert!(replayed.contains("replay matches"), "{replayed}");
+    // A tampered journal is caught and the divergence named.
+    let text = journal(&again);
+    let first = text.find(r#""student-0":""#).unwrap() + r#""student-0":""#.len();
+    let mut tampered = text.clone();
+    tampered.replace_range(first..first + 4, "0000");
+    std::fs::write(again.join("journal.jsonl"), tampered).unwrap();
+    let out = populora(&["replay", again.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("student-0 diverged"), "{err}");
+    // And the report renders from the run directory.
+    let index = ok(populora(&["report", again.to_str().unwrap()])
+        .output()
+        .unwrap());
+    assert!(Path::new(index.trim()).exists(), "{index}");
+}
+
+#[test]
+fn live_kill_and_inject_over_the_socket_replay_bit_identically() {
+    // Four students in two sub-populations, so a kill keeps cross-evaluation possible.
+    let text = std::fs::read_to_string(scenario("tiny.toml"))
+        .unwrap()
+        .replace("students = 2 ", "students = 4 ");
+    let dir = scratch("live");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.with_extension("toml");
+    std::fs::write(&file, text).unwrap();
+    let mut child = populora(&[
+        "run",
+        file.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    wait_for("the control socket", Duration::from_secs(60), || {
+        dir.join("control.sock").exists()
+    });
+    assert!(ctl(&dir, &["pause"]).contains("will pause"));
+    wait_for("the pause", Duration::from_secs(120), || {
+        ctl(&dir, &["status"]).contains(r#""paused": true"#)
+    });
+    assert!(ctl(&dir, &["kill", "student-3"]).contains("will kill student-3"));
+    assert!(ctl(&dir, &["inject", "teacher", "--op", "gaussian"]).contains("will inject"));
+    // Bad commands are answered with an error and change nothing.
+    for bad in [
+        vec!["kill", "student-99"],
+        vec!["inject", "teacher", "--op", "nonsense"],
+    ] {
+        let mut all = vec!["ctl", dir.to_str().unwrap()];
+        all.extend(bad);
+        assert!(!populora(&all).output().unwrap().status.success());
+    }
+    ctl(&dir, &["resume"]);
+    assert!(child.wait().unwrap().success());
+    let text = journal(&dir);
+    assert!(
+        text.contains(r#""cmd":"kill","member":"student-3"},"source":"ctl","outcome":"applied""#),
+        "{text}"
+    );
+    assert!(text.contains(
+        r#""cmd":"inject","role":"teacher","op":"gaussian"},"source":"ctl","outcome":"applied""#
+    ));
+    let replayed = ok(populora(&["replay", dir.to_str().unwrap()])
+        .output()
+        .unwrap());
+    assert!(replayed.contains("replay matches"), "{replayed}");
+}
+
+#[test]
+fn kill_9_then_resume_ends_like_an_uninterrupted_run() {
+    let dir = scratch("crash");
+    let mut child: Child = populora(&[
+        "run",
+        scenario("tiny.toml").to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    wait_for("the first checkpoint", Duration::from_secs(300), || {
+        std::fs::read_to_string(dir.join("journal.jsonl"))
+            .is_ok_and(|j| j.contains(r#""event":"checkpoint""#))
+    });
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let out = ok(populora(&["resume", dir.to_str().unwrap()])
+        .output()
+        .unwrap());
+    assert!(out.contains("finished after 4 steps"), "{out}");
+    assert_eq!(end_line(&dir), end_line(baseline()));
+    // A finished run has nothing left to resume.
+    let again = populora(&["resume", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("nothing to resume"));
+}
+
+#[test]
+fn a_member_that_panics_is_restarted_and_the_run_ends_the_same() {
+    let dir = scratch("fault");
+    let out = populora(&[
+        "run",
+        scenario("tiny.toml").to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ])
+    .env("POPULORA_FAULT", "student-0@2:solve")
+    .output()
+    .unwrap();
+    ok(out);
+    let text = journal(&dir);
+    assert!(text.contains(r#""event":"fault","step":2"#), "{text}");
+    assert!(text.contains("restarted; step retried"));
+    assert_eq!(end_line(&dir), end_line(baseline()));
+}
+
+#[test]
+fn malformed_scenarios_are_refused_with_file_and_line() {
+    let dir = scratch("bad");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        (
+            "seed = 1\nsteps = 2\n[lora]\nrank = 0\n",
+            "x.toml:4",
+            "lora.rank",
+        ),
+        (
+            "seed = 1\nsteps = 2\n[selfplay]\nmax_new_token = 5\n",
+            "x.toml:4",
+            "max_new_token",
+        ),
+        ("seed = \"one\"\nsteps = 2\n", "x.toml:1", "seed"),
+        ("steps = 2\n", "x.toml", "seed"),
+    ];
+    for (text, place, key) in cases {
+        let file = dir.join("x.toml");
+        std::fs::write(&file, text).unwrap();
+        let out = populora(&[
+            "run",
+            file.to_str().unwrap(),
+            "--out",
+            dir.join("out").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+        assert!(!out.status.success(), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(place) && err.contains(key), "{text}: {err}");
+        assert!(
+            !dir.join("out").exists(),
+            "nothing is created for a bad scenario"
+        );
+    }
+}
