@@ -123,3 +123,70 @@ fn smollm2_tokenizer_and_chat_format() {
     let ids = tok.encode(&chat).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one special token");
 }
+
+/// Issue 6's end-to-end step on the real model: one solo self-play step with
+/// small settings, every phase exercised, metrics consistent.
+#[test]
+fn one_selfplay_step_on_smollm2() {
+    use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig, Target};
+    use populora::selfplay::{self, Learner, Roster, Settings, StepContext};
+    use populora::task::{PromptConfig, TaskBuffers, TaskKind};
+    use populora::verify::{SandboxConfig, VerifierPool};
+    use std::collections::BTreeMap;
+
+    let base = BaseModel::load(&model_path()).unwrap();
+    let settings = Settings {
+        task_kinds: vec![TaskKind::Deduction, TaskKind::Abduction],
+        prompt: PromptConfig {
+            references: 1,
+            ..PromptConfig::default()
+        },
+        proposals_per_kind: 2,
+        solver_samples: 2,
+        max_new_tokens: 48,
+        ..Settings::default()
+    };
+    let lora = LoraConfig {
+        rank: 4,
+        targets: vec![Target::Q, Target::V],
+        ..LoraConfig::default()
+    };
+    let mut rng = keyed_stream!(3, "init");
+    let adapter = Adapter::new(lora, base.config(), &mut rng, &Device::Cpu).unwrap();
+    let mut learners = BTreeMap::from([(
+        0,
+        Learner {
+            adapter,
+            optimizer: AdamW::new(AdamWConfig::default()),
+        },
+    )]);
+    let pool = VerifierPool::new(SandboxConfig::default()).unwrap();
+    let mut buffers = TaskBuffers::seeded();
+    let ctx = StepContext {
+        seed: 3,
+        step: 1,
+        settings: &settings,
+        tokenizer: &base.tokenizer,
+    };
+    let report = selfplay::run_step(
+        &ctx,
+        &base.model,
+        &pool,
+        &mut learners,
+        &Roster::solo(0),
+        &mut buffers,
+    )
+    .unwrap();
+    let m = &report.metrics;
+    eprintln!("{}", serde_json::to_string(m).unwrap());
+    assert_eq!(m.proposals.total, 4);
+    let rejected: usize = m.proposals.rejected.values().sum();
+    assert_eq!(m.proposals.valid + rejected, 4);
+    assert_eq!(buffers.len(TaskKind::Deduction) + buffers.len(TaskKind::Abduction), 2 + m.proposals.valid);
+    assert!(m.tokens.prompt_mean > 50.0 && m.tokens.response_mean > 0.0);
+    assert!(!report.solves.is_empty(), "the solver always has problems (buffer fallback)");
+    assert!(m.train_tokens[&0] > 0);
+    for phase in ["propose", "validate", "solve", "score", "train"] {
+        assert!(m.phase_ms.contains_key(phase), "{phase}");
+    }
+}

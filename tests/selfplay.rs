@@ -264,6 +264,8 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
             temperature: 1.0,
             top_p: 0.9,
         },
+        proposals_per_kind: 1,
+        solver_samples: 2,
         ..settings(&TaskKind::ALL)
     };
     let mut learners = BTreeMap::from([(0, learner(&model, 9, 0)), (1, learner(&model, 9, 1))]);
@@ -285,7 +287,7 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
         let report =
             selfplay::run_step(&ctx, &model, &pool, &mut learners, &roster, &mut buffers).unwrap();
         let m = &report.metrics;
-        assert_eq!(m.proposals.total, 2 * 3 * 2);
+        assert_eq!(m.proposals.total, 2 * 3);
         assert_eq!(
             m.phase_ms.keys().collect::<Vec<_>>(),
             ["propose", "score", "solve", "train", "validate"]

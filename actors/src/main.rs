@@ -29,6 +29,8 @@ enum Command {
     Resume(cli::resume::Args),
     /// Write the run report: plots (SVG, PNG) and index.html.
     Report(cli::report::Args),
+    /// Evaluate every member of a run on held-out benchmarks.
+    Eval(cli::eval::Args),
     /// Fetch the default model (or a data set) into the cache.
     Fetch(cli::fetch::Args),
     /// Print the model's configuration and the cache location.
@@ -56,6 +58,7 @@ fn main() {
         Command::Replay(args) => cli::replay::run(args),
         Command::Resume(args) => cli::resume::run(args),
         Command::Report(args) => cli::report::run(args),
+        Command::Eval(args) => cli::eval::run(args),
         Command::Fetch(args) => cli::fetch::run(args),
         Command::Info(args) => cli::info::run(args),
         Command::Generate(args) => cli::generate::run(args),

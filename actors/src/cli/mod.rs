@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod broker;
 pub mod ctl;
+pub mod eval;
 pub mod evolve;
 pub mod exec;
 pub mod export;
