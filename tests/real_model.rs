@@ -182,9 +182,15 @@ fn one_selfplay_step_on_smollm2() {
     assert_eq!(m.proposals.total, 4);
     let rejected: usize = m.proposals.rejected.values().sum();
     assert_eq!(m.proposals.valid + rejected, 4);
-    assert_eq!(buffers.len(TaskKind::Deduction) + buffers.len(TaskKind::Abduction), 2 + m.proposals.valid);
+    assert_eq!(
+        buffers.len(TaskKind::Deduction) + buffers.len(TaskKind::Abduction),
+        2 + m.proposals.valid
+    );
     assert!(m.tokens.prompt_mean > 50.0 && m.tokens.response_mean > 0.0);
-    assert!(!report.solves.is_empty(), "the solver always has problems (buffer fallback)");
+    assert!(
+        !report.solves.is_empty(),
+        "the solver always has problems (buffer fallback)"
+    );
     assert!(m.train_tokens[&0] > 0);
     for phase in ["propose", "validate", "solve", "score", "train"] {
         assert!(m.phase_ms.contains_key(phase), "{phase}");

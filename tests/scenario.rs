@@ -373,7 +373,7 @@ fn events_parse_into_actions() {
     assert_eq!(s.events.len(), 2);
     assert_eq!(
         (s.events[0].at, &s.events[0].action),
-        (3, &EventAction::Kill("student-1".into()))
+        (3, &EventAction::Kill("teacher-0".into()))
     );
     assert_eq!(
         s.events[1].action,
@@ -430,8 +430,11 @@ fn shipped_scenarios_parse() {
     );
     assert_eq!(
         (tiny.selfplay.max_new_tokens, tiny.selfplay.solver_samples),
-        (24, 2)
+        (16, 2)
     );
+
+    let solo_quick = shipped("solo-quick.toml");
+    assert_eq!(solo_quick.member_ids(), ["solo-0"]);
 
     let quick = shipped("quickstart.toml");
     assert_eq!(quick.name, "quickstart");

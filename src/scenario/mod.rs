@@ -272,6 +272,10 @@ pub struct SelfPlayConfig {
     pub temperature: f64,
     /// Nucleus sampling mass, 0 < p <= 1. Default: 1.0.
     pub top_p: f64,
+    /// Write the start of every reply for the model (`<answer>` and the block
+    /// opener for solvers, "```python\ndef f(" for proposers), so a small model
+    /// meets the format. Not AZR; off reproduces AZR's prompts. Default: false.
+    pub prefill_answer: bool,
     /// Inputs an induction proposer writes, >= 2. Default: 10.
     pub induction_inputs: usize,
     /// Of those, input/output pairs shown to the solver, 1..induction_inputs; the rest
@@ -290,6 +294,7 @@ impl Default for SelfPlayConfig {
             max_new_tokens: 256,
             temperature: 1.0,
             top_p: 1.0,
+            prefill_answer: false,
             induction_inputs: 10,
             induction_shown: 5,
         }

@@ -53,6 +53,9 @@ pub struct Settings {
     pub max_new_tokens: usize,
     /// Sampling of every response (default temperature 1, top-p 1).
     pub sampling: Sampling,
+    /// Write the start of every reply for the model
+    /// ([`crate::task::templates::response_prefix`]; default false, as AZR).
+    pub prefill: bool,
     pub rewards: RewardConfig,
     pub advantage: AdvantageConfig,
     /// PPO clip (0.2) and micro-batch token budget (2048).
@@ -70,6 +73,7 @@ impl Default for Settings {
             solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
             max_new_tokens: 256,
             sampling: Sampling::default(),
+            prefill: false,
             rewards: RewardConfig::default(),
             advantage: AdvantageConfig::default(),
             train: TrainConfig::default(),
@@ -128,15 +132,46 @@ pub struct StepContext<'a> {
 impl StepContext<'_> {
     /// The chat prompt as the model's tokens, ready for the assistant turn.
     pub fn encode(&self, chat: &ChatPrompt) -> Result<Vec<u32>> {
-        Ok(self.tokenizer.encode_chat(&[
+        self.encode_with(chat, "")
+    }
+
+    /// The chat prompt followed by the start of the assistant's reply.
+    pub fn encode_with(&self, chat: &ChatPrompt, prefix: &str) -> Result<Vec<u32>> {
+        let rendered = self.tokenizer.chat.render(&[
             Message::new("system", chat.system.clone()),
             Message::new("user", chat.user.clone()),
-        ])?)
+        ]);
+        Ok(self.tokenizer.encode(&format!("{rendered}{prefix}"))?)
+    }
+
+    /// What the model is given of its reply for (kind, role): see [`Settings::prefill`].
+    pub fn prefix(&self, kind: TaskKind, role: crate::task::Role) -> &'static str {
+        if self.settings.prefill {
+            crate::task::templates::response_prefix(kind, role)
+        } else {
+            ""
+        }
     }
 
     /// Token length of a prompt, for the prompt builders' budget.
     fn measure(&self, chat: &ChatPrompt) -> usize {
         self.encode(chat).map_or(usize::MAX, |t| t.len())
+    }
+
+    /// The text a response is parsed from: the prefilled prefix, the reply,
+    /// and — when prefilling — whatever the prefix opened and the reply left
+    /// open (a fence, `<answer>`) closed at the end of the reply.
+    fn reply_text(&self, prefix: &str, tokens: &[u32]) -> Result<String> {
+        let mut text = format!("{prefix}{}", self.decode(tokens)?);
+        if !prefix.is_empty() {
+            if text.matches("```").count() % 2 == 1 {
+                text.push_str("\n```");
+            }
+            if text.contains("<answer>") && !text.contains("</answer>") {
+                text.push_str("\n</answer>");
+            }
+        }
+        Ok(text)
     }
 
     /// Response tokens as text; the stop token is not part of the answer.

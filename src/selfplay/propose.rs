@@ -20,6 +20,9 @@ pub struct ProposalJob {
     /// Which of the author's proposals of this kind (0..proposals_per_kind).
     pub index: usize,
     pub prompt: ProposerPrompt,
+    /// The start of the reply given to the model (empty unless prefilling).
+    pub prefix: String,
+    /// Prompt and prefix tokens.
     pub tokens: Vec<u32>,
 }
 
@@ -108,12 +111,14 @@ pub fn proposal_jobs(
                 );
                 let prompt =
                     proposer_prompt(kind, buffers, &s.prompt, &mut rng, &|c| ctx.measure(c))?;
-                let tokens = ctx.encode(&prompt.prompt.chat)?;
+                let prefix = ctx.prefix(kind, crate::task::Role::Proposer);
+                let tokens = ctx.encode_with(&prompt.prompt.chat, prefix)?;
                 jobs.push(ProposalJob {
                     author,
                     kind,
                     index,
                     prompt,
+                    prefix: prefix.to_string(),
                     tokens,
                 });
             }
@@ -188,9 +193,10 @@ pub fn judge_proposals(
     pool: &VerifierPool,
 ) -> Result<Vec<ProposalResult>> {
     check_len("judge_proposals", jobs.len(), generations.len())?;
-    let texts: Vec<String> = generations
+    let texts: Vec<String> = jobs
         .iter()
-        .map(|g| ctx.decode(&g.tokens))
+        .zip(&generations)
+        .map(|(j, g)| ctx.reply_text(&j.prefix, &g.tokens))
         .collect::<Result<_>>()?;
     let parsed: Vec<_> = jobs
         .iter()

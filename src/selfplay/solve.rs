@@ -22,6 +22,9 @@ pub struct Problem {
     pub author: Option<MemberId>,
     pub task: SolverTask,
     pub prompt: BuiltPrompt,
+    /// The start of the reply given to the model (empty unless prefilling).
+    pub prefix: String,
+    /// Prompt and prefix tokens.
     pub tokens: Vec<u32>,
     /// Who solves it, each `solver_samples` times.
     pub solvers: Vec<MemberId>,
@@ -118,12 +121,14 @@ pub fn problems(
         .into_iter()
         .map(|(proposal, author, task, solvers)| {
             let prompt = solver_prompt(&task, &ctx.settings.prompt, &|c| ctx.measure(c))?;
-            let tokens = ctx.encode(&prompt.chat)?;
+            let prefix = ctx.prefix(task.kind(), crate::task::Role::Solver);
+            let tokens = ctx.encode_with(&prompt.chat, prefix)?;
             Ok(Problem {
                 proposal,
                 author,
                 task,
                 prompt,
+                prefix: prefix.to_string(),
                 tokens,
                 solvers,
             })
@@ -179,9 +184,10 @@ pub fn judge_solutions(
     pool: &VerifierPool,
 ) -> Result<Vec<SolveResult>> {
     check_len("judge_solutions", jobs.len(), generations.len())?;
-    let texts: Vec<String> = generations
+    let texts: Vec<String> = jobs
         .iter()
-        .map(|g| ctx.decode(&g.tokens))
+        .zip(&generations)
+        .map(|(j, g)| ctx.reply_text(&problems[j.problem].prefix, &g.tokens))
         .collect::<Result<_>>()?;
     let answers: Vec<_> = jobs
         .iter()

@@ -13,7 +13,7 @@
 //! (```` ```output ````, ```` ```input ```` or ```` ```python ````); see
 //! [`crate::task::parse`] for exactly what is accepted.
 
-use super::TaskKind;
+use super::{Role, TaskKind};
 
 /// System message of every solver prompt.
 pub const SOLVER_SYSTEM: &str = "You are a careful Python programmer. \
@@ -104,6 +104,20 @@ pub const INDUCTION_PROPOSER: &str = "Here is a Python function f:
 Write {count} different inputs for f, each in its own ```input block, \
 then one ```message block with a short hint about what f does (do not show the code). \
 A solver will see some inputs with their outputs and your message, and must write f.";
+
+/// The start of the assistant's reply, written for the model when answer
+/// prefilling is on: a 135M model rarely finds the block format by itself,
+/// and with every reply malformed all rewards tie and TRR++ has no signal.
+/// The prefix is part of the prompt (never trained) and of the parsed text.
+pub fn response_prefix(kind: TaskKind, role: Role) -> &'static str {
+    match (role, kind) {
+        (Role::Proposer, TaskKind::Induction) => "```input\n",
+        (Role::Proposer, _) => "```python\ndef f(",
+        (Role::Solver, TaskKind::Deduction) => "<answer>\n```output\n",
+        (Role::Solver, TaskKind::Abduction) => "<answer>\n```input\n",
+        (Role::Solver, TaskKind::Induction) => "<answer>\n```python\ndef f(",
+    }
+}
 
 /// The sentence of [`TRIPLET_PROPOSER`] that says what the solver will be asked.
 pub fn proposer_goal(kind: TaskKind) -> &'static str {

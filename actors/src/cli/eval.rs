@@ -14,7 +14,9 @@ use populora::eval::{humaneval, humaneval_io, math, table, BenchmarkResult};
 use populora::keyed_stream;
 use populora::lora::Adapter;
 use populora::scenario::{check_operator, Scenario};
-use populora::task::{parse_answer, solver_prompt, ChatPrompt, PromptConfig, SolverTask, TaskKind, Triplet};
+use populora::task::{
+    parse_answer, solver_prompt, ChatPrompt, PromptConfig, SolverTask, TaskKind, Triplet,
+};
 use populora::verify::{SandboxConfig, VerifierPool};
 
 use crate::runtime::engine::Engine;
@@ -78,18 +80,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(dir) => members_of_baseline(dir)?,
         None => Vec::new(),
     };
-    let all: Vec<(String, Adapter)> = members.into_iter().chain(baseline.iter().cloned()).collect();
+    let all: Vec<(String, Adapter)> = members
+        .into_iter()
+        .chain(baseline.iter().cloned())
+        .collect();
     let mut results = Vec::new();
     for bench in &benchmarks {
-        eprintln!("{}: {} items × {} members", bench.name, bench.items.len(), all.len());
+        eprintln!(
+            "{}: {} items × {} members",
+            bench.name,
+            bench.items.len(),
+            all.len()
+        );
         results.extend(evaluate(&args, &engine, &pool, bench, &all, scenario.seed)?);
     }
-    let (base, own): (Vec<_>, Vec<_>) = results.into_iter().partition(|r| r.member.starts_with("baseline/"));
+    let (base, own): (Vec<_>, Vec<_>) = results
+        .into_iter()
+        .partition(|r| r.member.starts_with("baseline/"));
     std::fs::write(args.dir.join("eval.json"), serde_json::to_vec_pretty(&own)?)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "members": own, "baseline": base }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "members": own, "baseline": base }))?
+        );
     } else {
-        println!("{}", table(&own, (!base.is_empty()).then_some(base.as_slice())));
+        println!(
+            "{}",
+            table(&own, (!base.is_empty()).then_some(base.as_slice()))
+        );
     }
     Ok(())
 }
@@ -105,13 +123,17 @@ fn members(dir: &Path, prefix: &str) -> anyhow::Result<Vec<(String, Adapter)>> {
         .collect();
     names.sort();
     if names.is_empty() {
-        bail!("{} holds no saved members (the run has not checkpointed yet)", root.display());
+        bail!(
+            "{} holds no saved members (the run has not checkpointed yet)",
+            root.display()
+        );
     }
     names
         .into_iter()
         .map(|n| {
-            let (adapter, _) = Adapter::load(&root.join(&n).join("adapter"), &candle_core::Device::Cpu)
-                .with_context(|| format!("loading member {n}"))?;
+            let (adapter, _) =
+                Adapter::load(&root.join(&n).join("adapter"), &candle_core::Device::Cpu)
+                    .with_context(|| format!("loading member {n}"))?;
             Ok((format!("{prefix}{n}"), adapter))
         })
         .collect()
@@ -123,8 +145,19 @@ fn members_of_baseline(dir: &Path) -> anyhow::Result<Vec<(String, Adapter)>> {
 
 fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>> {
     let mut out = Vec::new();
-    let limit = |n: usize| if args.limit == 0 { n } else { n.min(args.limit) };
-    let wanted: Vec<&str> = args.benchmarks.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let limit = |n: usize| {
+        if args.limit == 0 {
+            n
+        } else {
+            n.min(args.limit)
+        }
+    };
+    let wanted: Vec<&str> = args
+        .benchmarks
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
     let needs_humaneval = wanted.iter().any(|b| b.starts_with("humaneval"));
     let problems = if needs_humaneval {
         humaneval::load(&fetch::HUMAN_EVAL.ensure(&mut |m| eprintln!("{m}"))?)?
@@ -183,7 +216,10 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
                 }
             })
             .collect();
-        out.push(Benchmark { name: "gsm8k".into(), items });
+        out.push(Benchmark {
+            name: "gsm8k".into(),
+            items,
+        });
     }
     if let Some(path) = &args.math {
         let set = math::load_math(path)?;
@@ -199,7 +235,10 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
                 }
             })
             .collect();
-        out.push(Benchmark { name: "math".into(), items });
+        out.push(Benchmark {
+            name: "math".into(),
+            items,
+        });
     }
     Ok(out)
 }
@@ -256,7 +295,10 @@ fn evaluate(
         })
         .collect::<Result<_, _>>()?;
     let sampling = if args.samples > 1 {
-        Sampling { temperature: 0.8, top_p: 0.95 }
+        Sampling {
+            temperature: 0.8,
+            top_p: 0.95,
+        }
     } else {
         Sampling::GREEDY
     };

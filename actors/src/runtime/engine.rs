@@ -108,6 +108,7 @@ pub fn settings(s: &Scenario) -> Settings {
             temperature: p.temperature as f32,
             top_p: p.top_p as f32,
         },
+        prefill: p.prefill_answer,
         rewards: RewardConfig {
             correct_reward: s.rewards.correct,
             malformed_penalty: s.rewards.malformed,
