@@ -97,6 +97,21 @@ fn same_seed_gives_the_same_journal_and_replay_verifies_it() {
     ] {
         assert!(again.join(file).exists(), "{file} missing");
     }
+    // members/ holds exactly the final population (the end event's members).
+    let mut saved: Vec<String> = std::fs::read_dir(again.join("members"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    saved.sort();
+    let end: serde_json::Value = serde_json::from_str(&end_line(&again)).unwrap();
+    let mut alive: Vec<String> = end["checksums"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    alive.sort();
+    assert_eq!(saved, alive);
     let replayed = ok(populora(&["replay", again.to_str().unwrap()])
         .output()
         .unwrap());
@@ -113,6 +128,26 @@ fn same_seed_gives_the_same_journal_and_replay_verifies_it() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("student-0 diverged"), "{err}");
+    // Evaluation of every member (HumanEval, a few tokens: plumbing, not scores).
+    let table = ok(populora(&[
+        "eval",
+        again.to_str().unwrap(),
+        "--benchmarks",
+        "humaneval",
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "4",
+    ])
+    .output()
+    .unwrap());
+    assert!(
+        table.contains("population mean") && table.contains("student-0"),
+        "{table}"
+    );
+    assert!(
+        again.join("eval.json").exists() && again.join("eval/samples-student-0.jsonl").exists()
+    );
     // And the report renders from the run directory.
     let index = ok(populora(&["report", again.to_str().unwrap()])
         .output()

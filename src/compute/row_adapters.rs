@@ -121,6 +121,28 @@ impl RowAdapters {
         };
         Ok(RowAdapters { modules, mask })
     }
+
+    /// The same factors cut loose from the adapters' `Var`s, for passes that
+    /// take no gradient. Without this every activation computed from a LoRA
+    /// factor records its inputs for backprop, and a KV cache built step by
+    /// step keeps the whole generation's graph alive (tens of GB).
+    pub fn detached(self) -> Self {
+        let modules = self
+            .modules
+            .into_iter()
+            .map(|(key, m)| {
+                let factors = ModuleFactors {
+                    a_t: m.a_t.detach(),
+                    b_t: m.b_t.detach(),
+                };
+                (key, factors)
+            })
+            .collect();
+        RowAdapters {
+            modules,
+            mask: self.mask,
+        }
+    }
 }
 
 /// `[rows, 1, n·rank]` with ones on each row's adapter block.

@@ -80,7 +80,9 @@ pub fn problems(
     proposals: &[ProposalResult],
     buffers: &TaskBuffers,
 ) -> Result<Vec<Problem>> {
-    let mut tasks: Vec<(Option<usize>, Option<MemberId>, SolverTask, Vec<MemberId>)> = Vec::new();
+    // (proposal, author, task, solvers)
+    type Planned = (Option<usize>, Option<MemberId>, SolverTask, Vec<MemberId>);
+    let mut tasks: Vec<Planned> = Vec::new();
     for (i, r) in proposals.iter().enumerate() {
         let Verdict::Valid { task, .. } = &r.verdict else {
             continue;

@@ -55,6 +55,7 @@ pub struct Args {
 }
 
 type Scorer = Box<dyn Fn(&VerifierPool, &str) -> anyhow::Result<bool>>;
+type Exporter = Box<dyn Fn(&str) -> String>;
 
 /// One prompt and how to score a response to it.
 struct Item {
@@ -62,7 +63,7 @@ struct Item {
     chat: ChatPrompt,
     score: Scorer,
     /// HumanEval: the response as the official harness's `completion`.
-    export: Option<Box<dyn Fn(&str) -> String>>,
+    export: Option<Exporter>,
 }
 
 struct Benchmark {

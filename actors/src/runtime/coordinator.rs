@@ -523,7 +523,9 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     }
     rate(league, &problems, &solves)?;
 
-    if state.args.scenario.evolution.enabled && s % state.args.scenario.evolution.every == 0 {
+    if state.args.scenario.evolution.enabled
+        && s.is_multiple_of(state.args.scenario.evolution.every)
+    {
         publish(state, "evolve");
         let start = Instant::now();
         evolve(state, s, &mut events).await?;
@@ -848,7 +850,7 @@ async fn commit(
     );
     state.args.metrics.append(&line)?;
     state.step_times.push(wall_ms / 1e3);
-    if s % state.args.scenario.checkpoint.every == 0 || s == state.args.last_step {
+    if s.is_multiple_of(state.args.scenario.checkpoint.every) || s == state.args.last_step {
         checkpoint(state).await?;
     }
     super::progress::summary(&line, state.args.last_step);
@@ -880,6 +882,13 @@ async fn checkpoint(state: &mut State) -> anyhow::Result<()> {
             })
             .await
             .map_err(|d| anyhow::anyhow!(d.0))??;
+        }
+    }
+    // members/ holds the live population only; the dead stay in older checkpoints.
+    for entry in std::fs::read_dir(dir.members())?.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if league.by_name(&name).is_none() {
+            let _ = std::fs::remove_dir_all(entry.path());
         }
     }
     let _ = std::fs::remove_dir_all(&final_dir);
