@@ -149,17 +149,7 @@ async fn propose(
     };
     let jobs = proposal_jobs(&ctx, &roster, buffers)?;
     let requests = jobs.iter().map(|j| j.request(&ctx)).collect();
-    let phase = Phase::Propose(step);
-    let adapter = state.adapter();
-    let generations = ask(&state.args.broker, |reply| BrokerMsg::Generate {
-        phase,
-        member: me,
-        adapter,
-        requests,
-        reply,
-    })
-    .await
-    .map_err(|d| anyhow::anyhow!("broker: {}", d.0))??;
+    let generations = generate_on_broker(state, Phase::Propose(step), requests).await?;
     Ok(jobs.into_iter().zip(generations).collect())
 }
 
@@ -175,17 +165,26 @@ async fn solve(
         .filter(|j| j.solver == me)
         .collect();
     let requests = jobs.iter().map(|j| j.request(&ctx, problems)).collect();
+    let generations = generate_on_broker(state, Phase::Solve(step), requests).await?;
+    Ok(jobs.into_iter().zip(generations).collect())
+}
+
+/// This member's rows of the phase's batch, generated with its adapter.
+async fn generate_on_broker(
+    state: &MemberState,
+    phase: Phase,
+    requests: Vec<populora::compute::GenRequest>,
+) -> anyhow::Result<Vec<Generation>> {
     let adapter = state.adapter();
-    let generations = ask(&state.args.broker, |reply| BrokerMsg::Generate {
-        phase: Phase::Solve(step),
-        member: me,
+    ask(&state.args.broker, |reply| BrokerMsg::Generate {
+        phase,
+        member: state.args.id,
         adapter,
         requests,
         reply,
     })
     .await
-    .map_err(|d| anyhow::anyhow!("broker: {}", d.0))??;
-    Ok(jobs.into_iter().zip(generations).collect())
+    .map_err(|d| anyhow::anyhow!("broker: {}", d.0))?
 }
 
 async fn train(
