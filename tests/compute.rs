@@ -47,7 +47,18 @@ fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
     adapter
 }
 
+/// Last-position logits of an inference pass (no gradient recorded: the fused
+/// kernels generation uses).
 fn last_logits(model: &Llama, set: &AdapterSet, rows: &[(Option<u64>, Vec<u32>)]) -> Vec<Vec<f32>> {
+    logits_of_pass(model, set, rows, true)
+}
+
+fn logits_of_pass(
+    model: &Llama,
+    set: &AdapterSet,
+    rows: &[(Option<u64>, Vec<u32>)],
+    inference: bool,
+) -> Vec<Vec<f32>> {
     let width = rows.iter().map(|r| r.1.len()).max().unwrap();
     let pads: Vec<usize> = rows.iter().map(|r| width - r.1.len()).collect();
     let flat: Vec<u32> = rows
@@ -58,6 +69,7 @@ fn last_logits(model: &Llama, set: &AdapterSet, rows: &[(Option<u64>, Vec<u32>)]
     let at = Positions::left_padded(&pads, 0, width, &Device::Cpu).unwrap();
     let ids: Vec<_> = rows.iter().map(|r| r.0).collect();
     let hook = RowAdapters::new(set, &ids).unwrap();
+    let hook = if inference { hook.detached() } else { hook };
     let out = model
         .forward(&tokens, &at, None, &hook, Logits::Last)
         .unwrap();
@@ -72,6 +84,28 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max);
     let scale: f32 = b.iter().map(|x| x.abs()).fold(0.0, f32::max);
     diff / scale.max(1e-12)
+}
+
+#[test]
+fn inference_kernels_match_the_differentiable_forward() {
+    // Passes that record no gradient use candle's fused RMSNorm, RoPE and
+    // softmax; training uses plain ops. Both must compute the same function.
+    let model = tiny_model();
+    let (a, b) = (
+        random_adapter(&model, 1, DType::F32),
+        random_adapter(&model, 2, DType::F32),
+    );
+    let set = AdapterSet::new().with(1, &a).with(2, &b);
+    let rows = vec![
+        (Some(1), vec![3, 4, 5, 6, 7]),
+        (Some(2), vec![9, 8]),
+        (None, vec![1, 2, 3]),
+    ];
+    let fused = logits_of_pass(&model, &set, &rows, true);
+    let plain = logits_of_pass(&model, &set, &rows, false);
+    for (f, p) in fused.iter().zip(&plain) {
+        assert!(rel_err(f, p) <= 1e-5, "fused vs plain: {}", rel_err(f, p));
+    }
 }
 
 #[test]

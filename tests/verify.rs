@@ -700,3 +700,53 @@ fn fallback_without_namespaces_still_contains() {
         assert_no_sandbox_processes(pool.config().unprivileged_uid);
     }
 }
+
+/// Whatever a job leaves in its temp dir (files, a directory tree, a link out
+/// of it), the next job on the same zygote starts in a fresh, empty one.
+#[test]
+fn every_job_gets_a_fresh_empty_temp_dir() {
+    let _guard = serial();
+    let pool = pool(1);
+    let litter = humaneval(
+        "import os\ndef candidate_fn():\n    open('a.txt', 'w').write('x' * 1000)\n    os.makedirs('d/e')\n    open('d/e/b.txt', 'w').write('y')\n    os.symlink('/etc', 'link')\n    return 0",
+        "def check(candidate):\n    assert candidate() == 0\n",
+    );
+    let empty = humaneval(
+        "import os\ndef candidate_fn():\n    return os.listdir('.')",
+        "def check(candidate):\n    assert candidate() == [], candidate()\n",
+    );
+    for round in 0..3 {
+        for (name, job) in [("litter", &litter), ("empty", &empty)] {
+            let outcome = pool.run(job).unwrap();
+            assert_eq!(
+                outcome.status(),
+                Status::Ok,
+                "round {round}, {name}: {outcome:?}"
+            );
+        }
+    }
+}
+
+/// A result too large for the result pipe (which the zygote does not read
+/// while the child runs) is an output limit, not a hang until the timeout.
+#[test]
+fn an_oversized_result_is_an_output_limit() {
+    let _guard = serial();
+    let pool = pool(1);
+    let pairs: Vec<(String, String)> = (0..3000)
+        .map(|i| (i.to_string(), "'x'".to_string()))
+        .collect();
+    let started = Instant::now();
+    let outcome = pool
+        .run(&Job::Induction {
+            program: "def f(n):\n    return 'x' * 1000".into(),
+            pairs,
+        })
+        .unwrap();
+    assert_eq!(outcome.status(), Status::OutputLimit, "{outcome:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(TEST_TIMEOUT_MS),
+        "took {:?}",
+        started.elapsed()
+    );
+}

@@ -8,6 +8,7 @@ pub mod fetch;
 pub mod gguf;
 pub mod hf;
 mod model;
+mod ops;
 pub mod tiny;
 mod tokenizer;
 

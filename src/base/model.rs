@@ -20,6 +20,7 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 
 use super::config::ModelConfig;
 use super::error::Result;
+use super::ops::{frozen_matmul, softmax, target_logprobs};
 use crate::lora::Target;
 
 /// Added to masked attention scores. Finite so that a fully masked (padding)
@@ -54,10 +55,11 @@ impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         // Flatten to 2-D so candle runs one GEMM instead of a batched one.
         let (rows, tokens, dim) = x.dims3()?;
-        let y = x
-            .reshape((rows * tokens, dim))?
-            .matmul(&self.weight.t()?)?
-            .reshape((rows, tokens, ()))?;
+        let y = frozen_matmul(&x.reshape((rows * tokens, dim))?, &self.weight)?.reshape((
+            rows,
+            tokens,
+            (),
+        ))?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -316,10 +318,18 @@ impl Llama {
         let h = rms_norm(h, &self.final_norm, self.config.rms_norm_eps)?;
         let dims = h.dims().to_vec();
         let hidden = self.config.hidden_size;
-        let flat = h.reshape(((), hidden))?.matmul(&self.lm_head.t()?)?;
+        let flat = frozen_matmul(&h.reshape(((), hidden))?, &self.lm_head)?;
         let mut out_dims = dims[..dims.len() - 1].to_vec();
         out_dims.push(self.config.vocab_size);
         Ok(flat.reshape(out_dims)?)
+    }
+
+    /// `log p(target | prefix)` for last-block outputs `h` `[n, hidden]` and
+    /// one target token per row: `[n]`, without forming `[n, vocab]` logits
+    /// all at once or the head's weight gradient.
+    pub fn target_logprobs(&self, h: &Tensor, targets: &[u32]) -> Result<Tensor> {
+        let h = rms_norm(h, &self.final_norm, self.config.rms_norm_eps)?;
+        Ok(target_logprobs(&h, &self.lm_head, targets)?)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -394,8 +404,17 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     Ok((freqs.cos()?, freqs.sin()?))
 }
 
-/// RMSNorm from plain ops: `x / √(mean(x²) + ε) · w`.
+/// RMSNorm: `x / √(mean(x²) + ε) · w`. candle's fused kernels (here and in
+/// [`rope`]) have no backward, so they serve only passes that
+/// record no gradient (generation); training uses the plain-op form.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if !x.track_op() && !weight.track_op() && x.dtype() == DType::F32 {
+        return Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            weight,
+            eps as f32,
+        )?);
+    }
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
     Ok(normed.broadcast_mul(weight)?)
@@ -403,19 +422,17 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// HF ("rotate half") RoPE on `[rows, heads, new, head_dim]`.
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !x.track_op() {
+        let (rows, _, n, half) = cos.dims4()?;
+        let flat = |t: &Tensor| t.reshape((rows, n, half));
+        return Ok(candle_nn::rotary_emb::rope(x, &flat(cos)?, &flat(sin)?)?);
+    }
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
     let r1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
     let r2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
     Ok(Tensor::cat(&[r1, r2], D::Minus1)?)
-}
-
-/// Softmax from plain ops (candle's fused `softmax_last_dim` has no backward).
-fn softmax(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let e = x.broadcast_sub(&max)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
 /// Grouped-query attention. Query heads come in groups that share one KV head,
@@ -425,8 +442,9 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize)
     let (rows, heads, n, hd) = q.dims4()?;
     let slots = k.dim(2)?;
     let group = heads / kv_heads;
-    let q = q.reshape((rows, kv_heads, group * n, hd))?;
-    let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+    // Scaling q rather than the scores touches n·hd values instead of n·slots.
+    let q = (q / (hd as f64).sqrt())?.reshape((rows, kv_heads, group * n, hd))?;
+    let scores = q.matmul(&k.t()?)?;
     let scores = scores
         .reshape((rows, heads, n, slots))?
         .broadcast_add(mask)?;

@@ -8,15 +8,16 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
 use crate::base::{Llama, Positions};
 use crate::lora::AdapterGrads;
 
-/// Padded tokens per micro-batch (default 2048: about 1.5 GB peak for
-/// SmolLM2-135M training with rank-8 adapters on every projection).
+/// Padded tokens per micro-batch (default 2048). Peak memory grows with it:
+/// a 2048-token micro-batch of SmolLM2-135M with rank-8 adapters on every
+/// projection peaked at 13.4 GB RSS (BENCHMARKS.md, "Multi-adapter broker").
 pub const DEFAULT_TOKEN_BUDGET: usize = 2048;
 
 /// PPO's clip range ε (AZR: 0.2).
@@ -133,17 +134,7 @@ fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> 
     let hidden = hidden
         .reshape(((), model.config.hidden_size))?
         .index_select(&Tensor::new(index.as_slice(), device)?, 0)?;
-    let logits = model.head(&hidden)?;
-    let logp = log_softmax(&logits)?;
-    let targets = Tensor::new(targets.as_slice(), device)?.unsqueeze(1)?;
-    Ok(logp.gather(&targets, 1)?.squeeze(1)?)
-}
-
-fn log_softmax(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?;
-    let shifted = x.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    Ok(shifted.broadcast_sub(&lse)?)
+    Ok(model.target_logprobs(&hidden, &targets)?)
 }
 
 /// Row indices ordered by adapter (stable), so micro-batches hold few segments.

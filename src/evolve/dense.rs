@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use faer::Mat;
 
-use super::{mats_to_module, module_to_mats, Error, Result};
+use super::{mats_to_module, stacked_factors, Error, Result};
 use crate::lora::{LoraModule, ModuleKey};
 
 /// Best rank-`rank` approximation of `Σ wᵢ·Bᵢ·Aᵢ` through the dense matrix and
@@ -17,15 +17,14 @@ pub fn weighted_sum_module(
     weights: &[f64],
     rank: usize,
 ) -> Result<(LoraModule, f64)> {
-    let factors = modules
-        .iter()
-        .map(|m| module_to_mats(key, m, rank))
-        .collect::<Result<Vec<_>>>()?;
+    let (b, at) = stacked_factors(key, modules, rank)?;
     let started = Instant::now();
-    let (out, fan_in) = (factors[0].0.nrows(), factors[0].1.nrows());
+    let (out, fan_in) = (b.nrows(), at.nrows());
     let mut dense = Mat::<f64>::zeros(out, fan_in);
-    for ((b, at), w) in factors.iter().zip(weights) {
-        dense += faer::Scale(*w) * (b * at.transpose());
+    for (i, w) in weights.iter().enumerate() {
+        let columns = i * rank..(i + 1) * rank;
+        let (b_i, at_i) = (b.get(.., columns.clone()), at.get(.., columns));
+        dense += faer::Scale(*w) * (b_i * at_i.transpose());
     }
     let svd = dense
         .thin_svd()

@@ -163,13 +163,14 @@ pub struct Stack {
 }
 
 impl Stack {
-    /// `bs[i]`: parent i's B as `out × r`; `ats[i]`: parent i's Aᵀ as `in × r`.
-    pub fn new(bs: &[Mat<f64>], ats: &[Mat<f64>], rank: usize) -> Result<Stack, Error> {
+    /// `b`: the parents' B side by side (`out × parents·r`); `at`: their Aᵀ
+    /// (`in × parents·r`), parent i in columns `i·r..(i+1)·r` of both.
+    pub fn new(b: Mat<f64>, at: Mat<f64>, rank: usize, parents: usize) -> Result<Stack, Error> {
         Ok(Stack {
-            b: Side::new(concat_columns(bs), "B")?,
-            a: Side::new(concat_columns(ats), "A")?,
+            b: Side::new(b, "B")?,
+            a: Side::new(at, "A")?,
             rank,
-            parents: bs.len(),
+            parents,
         })
     }
 
@@ -336,18 +337,4 @@ impl JointCoordinates {
     pub fn core(&self, merged: MatRef<'_, f64>) -> Mat<f64> {
         &self.to_core_left * merged * self.to_core_right.transpose()
     }
-}
-
-fn concat_columns(blocks: &[Mat<f64>]) -> Mat<f64> {
-    let rows = blocks.first().map_or(0, |b| b.nrows());
-    let width: usize = blocks.iter().map(|b| b.ncols()).sum();
-    let mut out = Mat::zeros(rows, width);
-    let mut at = 0;
-    for block in blocks {
-        for j in 0..block.ncols() {
-            out.col_mut(at + j).copy_from(block.col(j));
-        }
-        at += block.ncols();
-    }
-    out
 }

@@ -1,7 +1,8 @@
 # populora sandbox zygote: a trusted fork server. The Rust side starts it with
 # `python3 -S -s -B -c <this file> <config json>` and an empty environment except
 # PYTHONHASHSEED=0 (set order must not depend on which worker ran a program, and
-# -I would ignore that variable). It isolates itself once (namespaces, read-only
+# -I would ignore that variable) and LD_BIND_NOW=1 (symbols resolved once here,
+# not in every child). It isolates itself once (namespaces, read-only
 # mounts, a Landlock ruleset), then serves requests: 4-byte big-endian length +
 # UTF-8 JSON on the protocol pipes, one reply per request. Each job runs in a
 # forked child with its own process group, rlimits, temp dir and an
@@ -14,16 +15,19 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".")]
 import ast
 import builtins
 import ctypes
+import fcntl
 import gc
 import json
 import os
 import select
 import resource
-import shutil
 import signal
 import struct
-import tempfile
 import time
+
+# shutil and tempfile are imported only where needed (a fallback path, a temp
+# dir a program wrote into): every module loaded here is one more set of
+# mappings that each fork copies and each child's exit tears down.
 
 # Modules a program may import without paying the import in every child (and
 # without the unprivileged child needing to read the standard library).
@@ -254,6 +258,7 @@ def isolate(cfg):
         if st.pidns:
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     else:
+        import tempfile
         st.work_root = tempfile.mkdtemp(prefix="populora-sandbox-")
         os.chmod(st.work_root, 0o711)
     if not st.pidns:
@@ -274,7 +279,21 @@ def isolate(cfg):
     layers += ll_layers
     st.layers = layers
     st.cfg = cfg
+    inherit_child_settings(st)
     return st
+
+
+def inherit_child_settings(st):
+    """Process attributes that every child needs and that fork copies: set them
+    once here instead of in every child (each call a child makes touches pages
+    of the shared heap, and copying those pages is what a job mostly costs).
+    None of them matters to the zygote itself: it never execs (no_new_privs),
+    has no file size limit (SIGXFSZ) and creates files with explicit modes."""
+    # Children inherit no_new_privs and can never clear it.
+    st.nnp_inherited = prctl(PR_SET_NO_NEW_PRIVS, 1)
+    # A write past RLIMIT_FSIZE then fails with EFBIG instead of killing the child.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    os.umask(0o077)
 
 
 # ---------------------------------------------------------------- the child --
@@ -293,8 +312,9 @@ def describe(exc):
     return text[:REASON_CHARS]
 
 
-def check_program(tree):
-    """AST filter for honest mistakes; the OS layers are the boundary."""
+def check_top_level(tree):
+    """The program's shape: one function, no top-level statement with effects.
+    Returns the function's name."""
     funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     if len(funcs) != 1:
         raise Reject("invalid_program", "expected exactly one top-level function, found %d" % len(funcs))
@@ -303,52 +323,78 @@ def check_program(tree):
             raise Reject("invalid_program", "top-level %s statement (line %d)" % (type(node).__name__, node.lineno))
         if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Constant):
             raise Reject("invalid_program", "top-level expression (line %d)" % node.lineno)
-    check_names(tree)
     return funcs[0].name
+
+
+def check_node(node):
+    """AST filter for honest mistakes (the OS layers are the boundary): no
+    input(), no banned imports, names or attributes, no async code."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "input":
+        raise Reject("uses_input", "calls input() (line %d)" % node.lineno)
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                raise Reject("banned_import", "relative import (line %d)" % node.lineno)
+            names = [node.module or ""]
+        else:
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.split(".")[0] in BANNED_MODULES:
+                raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
+    elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
+        raise Reject("banned_name", "uses %s (line %d)" % (node.id, node.lineno))
+    elif isinstance(node, ast.Attribute):
+        attr = node.attr
+        dunder = attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS
+        if dunder or attr in BANNED_ATTRS:
+            raise Reject("banned_name", "uses attribute .%s (line %d)" % (attr, node.lineno))
+    elif isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith)):
+        raise Reject("invalid_program", "async code (line %d)" % node.lineno)
 
 
 def check_names(tree):
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "input":
-            raise Reject("uses_input", "calls input() (line %d)" % node.lineno)
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    raise Reject("banned_import", "relative import (line %d)" % node.lineno)
-                names = [node.module or ""]
-            else:
-                names = [a.name for a in node.names]
-            for name in names:
-                if name.split(".")[0] in BANNED_MODULES:
-                    raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
-        elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
-            raise Reject("banned_name", "uses %s (line %d)" % (node.id, node.lineno))
-        elif isinstance(node, ast.Attribute):
-            attr = node.attr
-            dunder = attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS
-            if dunder or attr in BANNED_ATTRS:
-                raise Reject("banned_name", "uses attribute .%s (line %d)" % (attr, node.lineno))
-        elif isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith)):
-            raise Reject("invalid_program", "async code (line %d)" % node.lineno)
+        check_node(node)
 
 
-def features_of(tree):
-    """Complexity features for the dynamics plots."""
+# Node types that may raise in check_node: every other node passes it.
+CHECKED_TYPES = frozenset((ast.Call, ast.Import, ast.ImportFrom, ast.Name, ast.Attribute,
+                           ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith))
+# Decision points for the cyclomatic number: one each, plus the extra ones below.
+DECISION_TYPES = frozenset((ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHandler,
+                            ast.Assert, ast.match_case, ast.comprehension, ast.BoolOp))
+
+
+def scan(tree, checks):
+    """One breadth-first pass over the tree: check_node on every node when
+    `checks` (in ast.walk's order, so the first problem reported is the same),
+    and the complexity features for the dynamics plots. One pass instead of
+    ast.walk plus a second walk: this is a large share of a child's own work."""
     count, depth, kinds, decisions = 0, 0, set(), 0
-    stack = [(tree, 1)]
-    while stack:
-        node, d = stack.pop()
-        count += 1
-        depth = max(depth, d)
-        kinds.add(type(node).__name__)
-        if isinstance(node, (ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHandler,
-                             ast.Assert, ast.match_case)):
-            decisions += 1
-        elif isinstance(node, ast.comprehension):
-            decisions += 1 + len(node.ifs)
-        elif isinstance(node, ast.BoolOp):
-            decisions += len(node.values) - 1
-        stack.extend((c, d + 1) for c in ast.iter_child_nodes(node))
+    level = [tree]
+    while level:
+        depth += 1
+        count += len(level)
+        below = []
+        for node in level:
+            cls = type(node)
+            kinds.add(cls)
+            if checks and cls in CHECKED_TYPES:
+                check_node(node)
+            if cls in DECISION_TYPES:
+                if cls is ast.comprehension:
+                    decisions += 1 + len(node.ifs)
+                elif cls is ast.BoolOp:
+                    decisions += len(node.values) - 1
+                else:
+                    decisions += 1
+            for field in cls._fields:
+                value = getattr(node, field, None)
+                if type(value) is list:
+                    below.extend(item for item in value if isinstance(item, ast.AST))
+                elif isinstance(value, ast.AST):
+                    below.append(value)
+        level = below
     return {"ast_nodes": count, "max_depth": depth, "node_types": len(kinds),
             "cyclomatic": 1 + decisions}
 
@@ -410,10 +456,10 @@ def job_program(job):
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise Reject("syntax_error", describe(exc))
     if job["checks"]:
-        name = check_program(tree)
+        name = check_top_level(tree)
     else:
         name = job.get("entry_point") or "f"
-    features = features_of(tree)
+    features = scan(tree, job["checks"])
     code = compile(tree, "<program>", "exec")
     calls = [ArgCapture(text) for text in job["inputs"]]
     first = run_calls(code, name, calls)
@@ -465,6 +511,39 @@ def job_humaneval(job):
 
 JOBS = {"program": job_program, "compare": job_compare, "humaneval": job_humaneval}
 
+# Fixed, trusted jobs that the zygote runs on itself before it starts forking.
+WARM_UP_PROGRAM = '''import math
+def f(s, k=2):
+    counts = {}
+    for ch in s:
+        counts[ch] = counts.get(ch, 0) + 1
+    words = ' '.join(w.capitalize() for w in s.split())
+    evens = [x * k for x in range(len(s)) if x % 2 == 0]
+    return sorted(counts.items())[::k], words[::-1], evens, math.gcd(len(s), 12)
+'''
+WARM_UP_JOBS = (
+    {"kind": "program", "program": WARM_UP_PROGRAM, "inputs": ["'hello big world', 3"],
+     "checks": True, "runs": 2},
+    {"kind": "program", "program": WARM_UP_PROGRAM, "inputs": ["'abc'", "'x y', k=1"],
+     "checks": True, "runs": 1},
+    {"kind": "compare", "pairs": [["[1, 2]", "[1,2]"], ["'a'", "'b'"]]},
+    {"kind": "humaneval", "program": WARM_UP_PROGRAM,
+     "test": "def check(candidate):\n    assert candidate('ab')[3] == 2\n", "entry_point": "f"},
+)
+# CPython 3.11 specialises a function's bytecode after 8 calls.
+WARM_UP_ROUNDS = 10
+
+
+def warm_up():
+    """Run every job kind on fixed inputs in the zygote itself. What a first
+    run does once — filling the type attribute caches, specialising the
+    bytecode of the checks and of `ast`, creating lazily built objects — is then
+    done in the shared heap instead of again in every child, where each write
+    to a shared page is a copy-on-write fault: the largest part of a job's cost."""
+    for _ in range(WARM_UP_ROUNDS):
+        for job in WARM_UP_JOBS:
+            json.dumps(run_job(job))
+
 
 def run_job(job):
     try:
@@ -486,12 +565,13 @@ def close_all_except(keep):
 
 
 def child_main(st, job, limits, work, out_w, err_w, res_w):
+    """Runs in the forked child: confine this process, run the job, report on
+    `res_w`. What the zygote already set is inherited (see
+    inherit_child_settings); fd 0 is the zygote's /dev/null (see main)."""
     child_pid = os.getpid()
     os.setpgid(0, 0)
     if not st.pidns:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    devnull = os.open("/dev/null", os.O_RDWR)
-    os.dup2(devnull, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     keep = {0, 1, 2, res_w}
@@ -499,22 +579,13 @@ def child_main(st, job, limits, work, out_w, err_w, res_w):
         keep.add(st.landlock_fd)
     close_all_except(keep)
     os.chdir(work)
-    os.umask(0o077)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    cpu = max(1, -(-limits["timeout_ms"] // 1000))
-    mem = limits["memory_mb"] << 20
-    for res, soft, hard in ((resource.RLIMIT_AS, mem, mem),
-                            (resource.RLIMIT_CPU, cpu, cpu + 1),
-                            (resource.RLIMIT_FSIZE, limits["file_bytes"], limits["file_bytes"]),
-                            (resource.RLIMIT_NOFILE, limits["open_files"], limits["open_files"]),
-                            (resource.RLIMIT_CORE, 0, 0),
-                            (resource.RLIMIT_NPROC, limits["processes"], limits["processes"])):
-        resource.setrlimit(res, (soft, hard))
+    set_rlimits(limits)
     if st.uid is not None:
         os.setgroups([])
         os.setresgid(st.gid, st.gid, st.gid)
         os.setresuid(st.uid, st.uid, st.uid)
-    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if not st.nnp_inherited:
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
     if st.landlock_fd is not None:
         if libc.syscall(SYS_LANDLOCK_RESTRICT, ctypes.c_int(st.landlock_fd), ctypes.c_uint32(0)) != 0:
             os._exit(71)
@@ -528,9 +599,25 @@ def child_main(st, job, limits, work, out_w, err_w, res_w):
     except BaseException:
         pass
     data = json.dumps(result).encode()
+    if len(data) > RESULT_CAP:
+        # The result pipe holds RESULT_CAP bytes and nobody reads it before we exit.
+        data = json.dumps({"status": "output_limit",
+                           "reason": "result exceeded %d bytes" % RESULT_CAP}).encode()
     while data:
         data = data[os.write(res_w, data):]
     os._exit(0)
+
+
+def set_rlimits(limits):
+    cpu = max(1, -(-limits["timeout_ms"] // 1000))
+    mem = limits["memory_mb"] << 20
+    for res, soft, hard in ((resource.RLIMIT_AS, mem, mem),
+                            (resource.RLIMIT_CPU, cpu, cpu + 1),
+                            (resource.RLIMIT_FSIZE, limits["file_bytes"], limits["file_bytes"]),
+                            (resource.RLIMIT_NOFILE, limits["open_files"], limits["open_files"]),
+                            (resource.RLIMIT_CORE, 0, 0),
+                            (resource.RLIMIT_NPROC, limits["processes"], limits["processes"])):
+        resource.setrlimit(res, (soft, hard))
 
 
 # ------------------------------------------------------------- supervision --
@@ -586,16 +673,84 @@ def drain(fd, buf, cap):
         pass
 
 
-def handle(st, req):
-    job, limits = req["job"], req["limits"]
+def grow_pipe(fd, size):
+    """Make a pipe hold `size` bytes, so the child can write its whole result
+    without the zygote reading while it runs. False when the kernel refuses."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size) >= size
+    except OSError:
+        return False
+
+
+def new_work_dir(st):
     st.seq += 1
     work = os.path.join(st.work_root, "j%d" % st.seq)
     os.mkdir(work, 0o700)
     if st.uid is not None:
         os.chown(work, st.uid, st.gid)
+    return work
+
+
+def remove_work_dir(work):
+    """Most programs write nothing: one rmdir. Otherwise the fd-based rmtree,
+    which does not follow links the program may have planted."""
+    try:
+        os.rmdir(work)
+    except OSError:
+        remove_tree(work)
+
+
+def remove_tree(path):
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def supervise(pid, out_r, err_r, res_r, result_buffered, limits, deadline):
+    """Wait for the child to exit, its deadline, or too much output. The result
+    pipe is watched only when it cannot hold a whole result: otherwise the
+    zygote sleeps until the exit (each wake-up while the child lives costs
+    copy-on-write faults on both sides). Returns (verdict or None,
+    {fd: bytes read})."""
+    pidfd = os.pidfd_open(pid)
+    bufs = {out_r: bytearray(), err_r: bytearray(), res_r: bytearray()}
+    caps = {out_r: limits["output_bytes"], err_r: limits["output_bytes"], res_r: RESULT_CAP}
+    watched = [out_r, err_r, pidfd] if result_buffered else [out_r, err_r, res_r, pidfd]
+    verdict, exited = None, False
+    try:
+        while not exited and verdict is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                verdict = ("timeout", "wall-clock limit of %d ms exceeded" % limits["timeout_ms"])
+                break
+            ready, _, _ = select.select(watched, [], [], remaining)
+            for fd in ready:
+                if fd == pidfd:
+                    exited = True
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    watched.remove(fd)
+                    continue
+                bufs[fd] += chunk
+                if len(bufs[fd]) > caps[fd]:
+                    verdict = ("output_limit", "output exceeded %d bytes" % caps[fd])
+    finally:
+        os.close(pidfd)
+    if exited and verdict is None:
+        for fd in (out_r, err_r, res_r):
+            drain(fd, bufs[fd], caps[fd])
+            if len(bufs[fd]) > caps[fd]:
+                verdict = ("output_limit", "output exceeded %d bytes" % caps[fd])
+    return verdict, bufs
+
+
+def handle(st, req):
+    job, limits = req["job"], req["limits"]
+    work = new_work_dir(st)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
+    result_buffered = grow_pipe(res_w, RESULT_CAP)
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -609,37 +764,15 @@ def handle(st, req):
         os.setpgid(pid, pid)
     except OSError:
         pass
-    pidfd = os.pidfd_open(pid)
-    bufs = {out_r: bytearray(), err_r: bytearray(), res_r: bytearray()}
-    caps = {out_r: limits["output_bytes"], err_r: limits["output_bytes"], res_r: RESULT_CAP}
-    open_fds = set(bufs)
-    deadline = start + limits["timeout_ms"] / 1000.0
-    verdict, exited = None, False
-    while not exited and verdict is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            verdict = ("timeout", "wall-clock limit of %d ms exceeded" % limits["timeout_ms"])
-            break
-        ready, _, _ = select.select(list(open_fds) + [pidfd], [], [], remaining)
-        for fd in ready:
-            if fd == pidfd:
-                exited = True
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                open_fds.discard(fd)
-                continue
-            bufs[fd] += chunk
-            if len(bufs[fd]) > caps[fd]:
-                verdict = ("output_limit", "output exceeded %d bytes" % caps[fd])
-    wall_ms = (time.monotonic() - start) * 1000.0
-    if exited and verdict is None:
-        for fd in open_fds:
-            drain(fd, bufs[fd], caps[fd])
-    status = kill_descendants(st, pid)
-    for fd in (out_r, err_r, res_r, pidfd):
-        os.close(fd)
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        verdict, bufs = supervise(pid, out_r, err_r, res_r, result_buffered, limits,
+                                  start + limits["timeout_ms"] / 1000.0)
+        wall_ms = (time.monotonic() - start) * 1000.0
+    finally:
+        status = kill_descendants(st, pid)
+        for fd in (out_r, err_r, res_r):
+            os.close(fd)
+        remove_work_dir(work)
     reply = settle(verdict, status, bytes(bufs[res_r]), bufs[err_r])
     reply["wall_ms"] = wall_ms
     reply["stdout"] = bufs[out_r][:STDOUT_CHARS].decode("utf-8", "replace")
@@ -681,6 +814,7 @@ def well_formed(result):
 
 
 def settle(verdict, status, result, stderr):
+    """The reply for a finished job; the tail of `stderr` explains a crash."""
     if verdict is not None:
         return {"status": verdict[0], "reason": verdict[1]}
     if result:
@@ -716,6 +850,7 @@ def main():
     except OSError as exc:
         write_msg(proto_out, {"fatal": describe(exc)})
         return
+    warm_up()
     gc.collect()
     gc.freeze()
     write_msg(proto_out, {"hello": True, "layers": st.layers})
@@ -729,7 +864,7 @@ def main():
             reply = {"error": describe(exc)}
         write_msg(proto_out, reply)
     if "mount_namespace" not in st.layers:
-        shutil.rmtree(st.work_root, ignore_errors=True)
+        remove_tree(st.work_root)
 
 
 main()

@@ -90,11 +90,15 @@ impl Zygote {
             .map_err(|e| Error::Config(format!("cannot encode the zygote configuration: {e}")))?;
         // No -I: it would ignore PYTHONHASHSEED, and a fixed hash seed keeps set
         // order (and so outputs) independent of which worker ran a program. The
-        // empty environment plus -S -s gives the same isolation.
+        // empty environment plus -S -s gives the same isolation. LD_BIND_NOW
+        // resolves every symbol of the interpreter once, in the zygote: lazily
+        // bound, each child would redo it for the calls only children make
+        // (setrlimit, setresuid, ...) and copy the pages it writes.
         let mut child = Command::new(&config.python)
             .args(["-S", "-s", "-B", "-c", ZYGOTE_PY, &config_json])
             .env_clear()
             .env("PYTHONHASHSEED", "0")
+            .env("LD_BIND_NOW", "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
