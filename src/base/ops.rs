@@ -11,14 +11,15 @@
 //! SmolLM2) and their gradients, and forms the `[hidden, vocab]` gradient of
 //! the embedding. [`frozen_matmul`] and [`target_logprobs`] are custom ops with
 //! input-only backwards; the head works in row chunks, so its memory does not
-//! grow with the number of scored tokens. [`softmax`] runs candle's fused
-//! kernel and keeps only its output: the plain-op softmax over attention
-//! scores kept five score-sized tensors per layer alive until the backward.
+//! grow with the number of scored tokens. [`softmax`] keeps only its output for the
+//! backward: the plain-op softmax over attention scores kept five score-sized
+//! tensors per layer alive until the backward pass.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, Device, Layout, Result, Shape, Storage, Tensor, D,
 };
+use rayon::prelude::*;
 
 /// Scored rows per chunk of the LM head (default 256: a `[256, 49152]` f32
 /// logits block is 50 MB).
@@ -172,13 +173,43 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
 
 struct Softmax;
 
+/// `exp(x − max) / Σ exp(x − max)` over each run of `width` values, in parallel.
+macro_rules! softmax_rows {
+    ($src:expr, $width:expr, $t:ty) => {{
+        let src: &[$t] = $src;
+        let mut dst = vec![0 as $t; src.len()];
+        src.par_chunks($width)
+            .zip(dst.par_chunks_mut($width))
+            .for_each(|(x, y)| {
+                let max = x.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
+                let mut sum = 0 as $t;
+                for (x, y) in x.iter().zip(y.iter_mut()) {
+                    *y = (*x - max).exp();
+                    sum += *y;
+                }
+                y.iter_mut().for_each(|y| *y /= sum);
+            });
+        dst
+    }};
+}
+
 impl CustomOp1 for Softmax {
     fn name(&self) -> &'static str {
         "softmax"
     }
 
+    /// Row by row on the input's own storage: no copy in, none out.
     fn cpu_fwd(&self, x: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        cpu_storage(&candle_nn::ops::softmax_last_dim(&cpu_tensor(x, layout)?)?)
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("softmax: input is not contiguous")
+        };
+        let width = layout.shape().dims().last().copied().unwrap_or(1).max(1);
+        let out = match x {
+            CpuStorage::F32(v) => CpuStorage::F32(softmax_rows!(&v[start..end], width, f32)),
+            CpuStorage::F64(v) => CpuStorage::F64(softmax_rows!(&v[start..end], width, f64)),
+            other => candle_core::bail!("softmax: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok((out, layout.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, p: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -169,6 +169,21 @@ impl RowAdapters {
         RowAdapters { modules, ..self }
     }
 
+    /// `Δ` for all rows at once: shrink against every adapter of the batch,
+    /// keep each row's own block, expand. `[rows·tokens, out]`.
+    fn masked_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (rows, tokens, in_dim) = x.dims3()?;
+        let shrunk = x.reshape((rows * tokens, in_dim))?.matmul(&f.a_t)?;
+        let shrunk = match &self.mask {
+            Some(mask) => shrunk
+                .reshape((rows, tokens, ()))?
+                .broadcast_mul(mask)?
+                .reshape((rows * tokens, ()))?,
+            None => shrunk,
+        };
+        shrunk.matmul(&f.b_t)
+    }
+
     /// `Δ` one segment at a time: each run of rows against its own adapter's
     /// factors only (rows are grouped by adapter by every caller).
     fn segmented_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -284,23 +299,6 @@ impl LoraHook for RowAdapters {
                 self.masked_delta(f, x)?
             };
         Ok(Some(out.reshape((rows, tokens, out.dim(D::Minus1)?))?))
-    }
-}
-
-impl RowAdapters {
-    /// `Δ` for all rows at once: shrink against every adapter of the batch,
-    /// keep each row's own block, expand. `[rows·tokens, out]`.
-    fn masked_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (rows, tokens, in_dim) = x.dims3()?;
-        let shrunk = x.reshape((rows * tokens, in_dim))?.matmul(&f.a_t)?;
-        let shrunk = match &self.mask {
-            Some(mask) => shrunk
-                .reshape((rows, tokens, ()))?
-                .broadcast_mul(mask)?
-                .reshape((rows * tokens, ()))?,
-            None => shrunk,
-        };
-        shrunk.matmul(&f.b_t)
     }
 }
 
