@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 
 pub use config::{Arch, ModelConfig, Source};
 pub use error::{Error, Result};
-pub use model::{rms_norm, Block, KvCache, Linear, Llama, Logits, LoraHook, NoLora, Positions};
+pub use model::{
+    rms_norm, Block, BlockContext, KvCache, Linear, Llama, Logits, LoraHook, NoLora, Positions,
+};
 pub use tokenizer::{ChatTemplate, Message, Tokenizer, IM_END, IM_START};
 
 /// A loaded base: weights, tokenizer, and where they came from.

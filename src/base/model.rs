@@ -188,6 +188,15 @@ impl Positions {
     }
 }
 
+/// What every block of one pass shares: each row's RoPE cos/sin
+/// `[rows, 1, new, head_dim/2]` and the attention mask.
+#[derive(Debug, Clone)]
+pub struct BlockContext {
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
 /// Which positions to turn into logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -303,14 +312,35 @@ impl Llama {
         mut cache: Option<&mut KvCache>,
         lora: &dyn LoraHook,
     ) -> Result<Tensor> {
-        let (cos, sin) = self.rope_at(&at.positions)?;
-        let mask = at.mask.to_dtype(embeds.dtype())?;
+        let shared = self.block_context(at, embeds.dtype())?;
         let mut h = embeds.clone();
         for (layer, block) in self.blocks.iter().enumerate() {
             let cache = cache.as_deref_mut();
-            h = self.block_forward(layer, block, &h, &cos, &sin, &mask, cache, lora)?;
+            h = self.block_forward(layer, block, &h, &shared, cache, lora)?;
         }
         Ok(h)
+    }
+
+    /// What every block of a pass over `at` shares, in `dtype`.
+    pub fn block_context(&self, at: &Positions, dtype: DType) -> Result<BlockContext> {
+        let (cos, sin) = self.rope_at(&at.positions)?;
+        Ok(BlockContext {
+            cos: cos.to_dtype(dtype)?,
+            sin: sin.to_dtype(dtype)?,
+            mask: at.mask.to_dtype(dtype)?,
+        })
+    }
+
+    /// Block `layer` alone, without a KV cache: `[rows, new, hidden]` in and out
+    /// (the unit that activation checkpointing recomputes).
+    pub fn block(
+        &self,
+        layer: usize,
+        h: &Tensor,
+        shared: &BlockContext,
+        lora: &dyn LoraHook,
+    ) -> Result<Tensor> {
+        self.block_forward(layer, &self.blocks[layer], h, shared, None, lora)
     }
 
     /// Final norm and LM head: `[..., hidden]` → `[..., vocab]`.
@@ -332,18 +362,16 @@ impl Llama {
         Ok(target_logprobs(&h, &self.lm_head, targets)?)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         layer: usize,
         block: &Block,
         h: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
+        shared: &BlockContext,
         cache: Option<&mut KvCache>,
         lora: &dyn LoraHook,
     ) -> Result<Tensor> {
+        let BlockContext { cos, sin, mask } = shared;
         let proj = |target: Target, x: &Tensor| -> Result<Tensor> {
             let y = block.linear(target).forward(x)?;
             match lora.delta(layer, target, x)? {

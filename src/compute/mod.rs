@@ -6,6 +6,7 @@
 //! ([`RowAdapters`]). Rows are ordered by adapter id before anything runs, so
 //! results never depend on request order.
 
+mod checkpoint;
 mod generate;
 mod row_adapters;
 mod train;

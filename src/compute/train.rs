@@ -1,23 +1,25 @@
 //! Per-token log-probabilities and the PPO-clip train step over many adapters
-//! at once: one forward and one backward per micro-batch, one gradient set per
-//! adapter.
+//! at once: one gradient set per adapter, accumulated over micro-batches.
 //!
 //! Memory is bounded by the micro-batch token budget (padded tokens per
-//! micro-batch, default [`DEFAULT_TOKEN_BUDGET`]): activations scale with it,
-//! and logits are only formed at scored positions.
+//! micro-batch, default [`DEFAULT_TOKEN_BUDGET`]): the backward pass runs one
+//! block at a time ([`checkpoint`]), so only block inputs and one block's
+//! activations scale with it, and logits are only formed at scored positions.
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 
+use super::checkpoint;
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
 use crate::base::{Llama, Positions};
 use crate::lora::AdapterGrads;
 
 /// Padded tokens per micro-batch (default 2048). Peak memory grows with it:
-/// a 2048-token micro-batch of SmolLM2-135M with rank-8 adapters on every
-/// projection peaked at 13.4 GB RSS (BENCHMARKS.md, "Multi-adapter broker").
+/// a train step in 2048-token micro-batches of SmolLM2-135M with rank-8
+/// adapters on every projection peaked at 1.6 GB RSS, model included (13.4 GB
+/// before the block-by-block backward; BENCHMARKS.md, "Multi-adapter broker").
 pub const DEFAULT_TOKEN_BUDGET: usize = 2048;
 
 /// PPO's clip range ε (AZR: 0.2).
@@ -106,35 +108,60 @@ fn micro_batches(lens: &[usize], budget: usize) -> Vec<std::ops::Range<usize>> {
 /// A row of a micro-batch: its adapter, tokens and scored `(position, target)` pairs.
 type ScoredRow<'a> = (Option<AdapterId>, &'a [u32], Vec<(usize, u32)>);
 
-/// One micro-batch through the model: log-probabilities at the scored
-/// positions, `[n_scored]`, in row order then position order.
-fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
-    let device = model.device();
-    let width = rows.iter().map(|r| r.1.len()).max().unwrap_or(0);
-    let mut flat = Vec::with_capacity(rows.len() * width);
-    let mut pads = Vec::with_capacity(rows.len());
-    let mut index = Vec::new();
-    let mut targets = Vec::new();
-    for (r, (_, tokens, scored)) in rows.iter().enumerate() {
-        let pad = width - tokens.len();
-        pads.push(pad);
-        flat.extend(std::iter::repeat_n(0u32, pad));
-        flat.extend_from_slice(tokens);
-        for &(t, target) in scored {
-            // The hidden state at slot pad+t-1 predicts token t.
-            index.push((r * width + pad + t - 1) as u32);
-            targets.push(target);
+/// A micro-batch laid out for the model: rows left-padded to one width, and
+/// where each scored position's hidden state sits once rows are flattened.
+struct Layout {
+    tokens: Tensor,
+    at: Positions,
+    /// `[n_scored]` into `[rows·width]`, in row order then position order.
+    index: Tensor,
+    targets: Vec<u32>,
+    adapters: Vec<Option<AdapterId>>,
+}
+
+impl Layout {
+    fn new(device: &Device, rows: &[ScoredRow]) -> Result<Layout> {
+        let width = rows.iter().map(|r| r.1.len()).max().unwrap_or(0);
+        let mut flat = Vec::with_capacity(rows.len() * width);
+        let mut pads = Vec::with_capacity(rows.len());
+        let mut index = Vec::new();
+        let mut targets = Vec::new();
+        for (r, (_, tokens, scored)) in rows.iter().enumerate() {
+            let pad = width - tokens.len();
+            pads.push(pad);
+            flat.extend(std::iter::repeat_n(0u32, pad));
+            flat.extend_from_slice(tokens);
+            for &(t, target) in scored {
+                // The hidden state at slot pad+t-1 predicts token t.
+                index.push((r * width + pad + t - 1) as u32);
+                targets.push(target);
+            }
         }
+        Ok(Layout {
+            tokens: Tensor::from_vec(flat, (rows.len(), width), device)?,
+            at: Positions::left_padded(&pads, 0, width, device)?,
+            index: Tensor::new(index.as_slice(), device)?,
+            targets,
+            adapters: rows.iter().map(|r| r.0).collect(),
+        })
     }
-    let tokens = Tensor::from_vec(flat, (rows.len(), width), device)?;
-    let at = Positions::left_padded(&pads, 0, width, device)?;
-    let row_adapters: Vec<_> = rows.iter().map(|r| r.0).collect();
-    let hook = RowAdapters::new(adapters, &row_adapters)?;
-    let hidden = model.hidden_states(&model.embed(&tokens)?, &at, None, &hook)?;
-    let hidden = hidden
-        .reshape(((), model.config.hidden_size))?
-        .index_select(&Tensor::new(index.as_slice(), device)?, 0)?;
-    Ok(model.target_logprobs(&hidden, &targets)?)
+
+    /// Log-probabilities at the scored positions, `[n_scored]`, from the last
+    /// block's output `[rows, width, hidden]`.
+    fn logprobs(&self, model: &Llama, hidden: &Tensor) -> Result<Tensor> {
+        let hidden = hidden
+            .reshape(((), model.config.hidden_size))?
+            .index_select(&self.index, 0)?;
+        Ok(model.target_logprobs(&hidden, &self.targets)?)
+    }
+}
+
+/// One micro-batch through the model, recording no gradient.
+fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
+    let layout = Layout::new(model.device(), rows)?;
+    let hook = RowAdapters::new(adapters, &layout.adapters)?.detached();
+    let hidden = model.hidden_states(&model.embed(&layout.tokens)?, &layout.at, None, &hook)?;
+    layout.logprobs(model, &hidden)
 }
 
 /// Row indices ordered by adapter (stable), so micro-batches hold few segments.
@@ -230,7 +257,6 @@ pub fn train_step(
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
     let lens: Vec<usize> = order.iter().map(|&i| rows[i].tokens.len()).collect();
     let mut out = TrainOutput::default();
-    let device = model.device();
     for range in micro_batches(&lens, config.token_budget) {
         let rows_here: Vec<&TrainRow> = order[range].iter().map(|&i| &rows[i]).collect();
         let batch: Vec<_> = rows_here
@@ -243,56 +269,101 @@ pub fn train_step(
                 )
             })
             .collect();
-        let (mut adv, mut old, mut weight, mut owner) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut targets = PpoTargets::default();
         for (r, (_, _, s)) in rows_here.iter().zip(&batch) {
             let n = tokens_per_adapter[&r.adapter].max(1) as f32;
             for &(t, _) in s {
-                adv.push(r.advantages[t]);
-                old.push(r.old_logprobs[t]);
-                weight.push(1.0 / n);
-                owner.push(r.adapter);
+                targets.advantages.push(r.advantages[t]);
+                targets.old_logprobs.push(r.old_logprobs[t]);
+                targets.weights.push(1.0 / n);
+                targets.owners.push(r.adapter);
             }
         }
-        if adv.is_empty() {
+        if targets.owners.is_empty() {
             continue;
         }
-        let logp = scored_logprobs(model, adapters, &batch)?;
-        let dtype = logp.dtype();
-        let vector = |v: &[f32]| Tensor::new(v, device).and_then(|t| t.to_dtype(dtype));
-        let adv_t = vector(&adv)?;
-        let ratio = (logp - vector(&old)?)?.exp()?;
-        let unclipped = (&ratio * &adv_t)?;
-        let clipped = (ratio.clamp(1.0 - config.clip, 1.0 + config.clip)? * &adv_t)?;
-        let per_token = unclipped.minimum(&clipped)?.neg()?;
-        let loss = (&per_token * vector(&weight)?)?.sum_all()?;
-        let grads = loss.backward()?;
-        accumulate(&mut out.grads, adapters, &rows_here, &grads)?;
-        record_stats(
-            &mut out.stats,
-            &owner,
-            &per_token,
-            &ratio,
-            &weight,
+        let (per_token, ratio) = micro_batch_step(
+            model,
+            adapters,
+            &batch,
+            &targets,
             config.clip,
+            &mut out.grads,
         )?;
+        record_stats(&mut out.stats, &targets, &per_token, &ratio, config.clip)?;
         out.micro_batches += 1;
     }
     Ok(out)
 }
 
+/// The PPO inputs of a micro-batch's scored tokens, in [`Layout`] order.
+#[derive(Debug, Default)]
+struct PpoTargets {
+    advantages: Vec<f32>,
+    old_logprobs: Vec<f32>,
+    /// 1 / (scored tokens of the owner's adapter in the whole step): token-mean loss.
+    weights: Vec<f32>,
+    owners: Vec<AdapterId>,
+}
+
+/// Forward and backward of one micro-batch, the backward one block at a time
+/// (activation checkpointing, see [`checkpoint`]). Adds the factor gradients to
+/// `grads`; returns each scored token's loss term and ratio ρ.
+fn micro_batch_step(
+    model: &Llama,
+    adapters: &AdapterSet,
+    batch: &[ScoredRow],
+    targets: &PpoTargets,
+    clip: f64,
+    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+) -> Result<(Tensor, Tensor)> {
+    let layout = Layout::new(model.device(), batch)?;
+    let detached = RowAdapters::new(adapters, &layout.adapters)?.detached();
+    let embeds = model.embed(&layout.tokens)?;
+    let (checkpoints, top) = checkpoint::forward(model, &detached, embeds, &layout.at)?;
+    // The loss's gradient at the last block's output, through the head only.
+    let top = Var::from_tensor(&top)?;
+    let logp = layout.logprobs(model, top.as_tensor())?;
+    let (per_token, ratio) = ppo_terms(&logp, targets, clip)?;
+    let weights = Tensor::new(targets.weights.as_slice(), logp.device())?.to_dtype(logp.dtype())?;
+    let loss = (&per_token * weights)?.sum_all()?;
+    let top_grad = loss.backward()?.get(top.as_tensor()).cloned();
+    let top_grad = top_grad
+        .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last block".into()))?;
+
+    let mut ids: Vec<AdapterId> = batch.iter().filter_map(|r| r.0).collect();
+    ids.dedup();
+    let hook = RowAdapters::new(adapters, &layout.adapters)?;
+    checkpoint::backward(model, &hook, checkpoints, top_grad, |layer, store| {
+        accumulate(grads, adapters, &ids, layer, store)
+    })?;
+    Ok((per_token, ratio))
+}
+
+/// PPO-clip per scored token: `-min(ρ·Â, clip(ρ, 1-ε, 1+ε)·Â)` and `ρ = exp(log π - log π_old)`.
+fn ppo_terms(logp: &Tensor, targets: &PpoTargets, clip: f64) -> Result<(Tensor, Tensor)> {
+    let vector = |v: &[f32]| Tensor::new(v, logp.device()).and_then(|t| t.to_dtype(logp.dtype()));
+    let advantages = vector(&targets.advantages)?;
+    let ratio = (logp - vector(&targets.old_logprobs)?)?.exp()?;
+    let unclipped = (&ratio * &advantages)?;
+    let clipped = (ratio.clamp(1.0 - clip, 1.0 + clip)? * &advantages)?;
+    let per_token = unclipped.minimum(&clipped)?.neg()?;
+    Ok((per_token, ratio))
+}
+
+/// Adds the gradients of `layer`'s factors of every adapter in `ids` to `acc`
+/// (zeros for a factor the pass did not reach).
 fn accumulate(
     acc: &mut BTreeMap<AdapterId, AdapterGrads>,
     adapters: &AdapterSet,
-    rows: &[&TrainRow],
+    ids: &[AdapterId],
+    layer: usize,
     grads: &candle_core::backprop::GradStore,
 ) -> Result<()> {
-    let mut seen: Vec<AdapterId> = rows.iter().map(|r| r.adapter).collect();
-    seen.dedup();
-    for id in seen {
+    for &id in ids {
         let adapter = adapters.adapters[&id];
         let entry = acc.entry(id).or_default();
-        for (key, m) in &adapter.modules {
+        for (key, m) in adapter.modules.iter().filter(|(k, _)| k.layer == layer) {
             let zeros = |t: &Tensor| Tensor::zeros(t.dims(), t.dtype(), t.device());
             let ga = grads
                 .get(m.a.as_tensor())
@@ -318,18 +389,17 @@ fn accumulate(
 
 fn record_stats(
     stats: &mut BTreeMap<AdapterId, TrainStats>,
-    owner: &[AdapterId],
+    targets: &PpoTargets,
     per_token: &Tensor,
     ratio: &Tensor,
-    weight: &[f32],
     clip: f64,
 ) -> Result<()> {
     let losses = per_token.to_dtype(DType::F64)?.to_vec1::<f64>()?;
     let ratios = ratio.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    for (i, &id) in owner.iter().enumerate() {
+    for (i, &id) in targets.owners.iter().enumerate() {
         let s = stats.entry(id).or_default();
         let n = s.tokens as f64;
-        s.loss += losses[i] * weight[i] as f64;
+        s.loss += losses[i] * targets.weights[i] as f64;
         let clipped = (ratios[i] - 1.0).abs() > clip;
         s.clip_fraction = (s.clip_fraction * n + clipped as u8 as f64) / (n + 1.0);
         s.mean_ratio = (s.mean_ratio * n + ratios[i]) / (n + 1.0);

@@ -792,7 +792,7 @@ def well_formed(result):
     the child runs hostile code and could have written anything."""
     try:
         raw = json.loads(result)
-    except ValueError:
+    except (ValueError, RecursionError):  # deeply nested JSON raises RecursionError
         return None
     if not isinstance(raw, dict) or raw.get("status") not in STATUSES:
         return None
