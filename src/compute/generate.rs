@@ -140,7 +140,7 @@ pub fn generate(
     let mut width = longest;
     let hook_for = |active: &[Active], requests: &[GenRequest]| {
         let rows: Vec<_> = active.iter().map(|a| requests[a.request].adapter).collect();
-        RowAdapters::new(adapters, &rows).map(RowAdapters::detached)
+        RowAdapters::new(adapters, &rows).map(|hook| hook.detached())
     };
     let mut hook = hook_for(&active, &requests)?;
     loop {

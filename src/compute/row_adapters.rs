@@ -154,11 +154,11 @@ impl RowAdapters {
     /// take no gradient. Without this every activation computed from a LoRA
     /// factor records its inputs for backprop, and a KV cache built step by
     /// step keeps the whole generation's graph alive (tens of GB).
-    pub fn detached(self) -> Self {
+    pub fn detached(&self) -> Self {
         let modules = self
             .modules
-            .into_iter()
-            .map(|(key, m)| {
+            .iter()
+            .map(|(&key, m)| {
                 let factors = ModuleFactors {
                     a_t: m.a_t.detach(),
                     b_t: m.b_t.detach(),
@@ -166,7 +166,12 @@ impl RowAdapters {
                 (key, factors)
             })
             .collect();
-        RowAdapters { modules, ..self }
+        RowAdapters {
+            modules,
+            mask: self.mask.clone(),
+            segments: self.segments.clone(),
+            rank: self.rank,
+        }
     }
 
     /// `Δ` for all rows at once: shrink against every adapter of the batch,

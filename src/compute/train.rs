@@ -318,9 +318,9 @@ fn micro_batch_step(
     grads: &mut BTreeMap<AdapterId, AdapterGrads>,
 ) -> Result<(Tensor, Tensor)> {
     let layout = Layout::new(model.device(), batch)?;
-    let detached = RowAdapters::new(adapters, &layout.adapters)?.detached();
+    let hook = RowAdapters::new(adapters, &layout.adapters)?;
     let embeds = model.embed(&layout.tokens)?;
-    let (checkpoints, top) = checkpoint::forward(model, &detached, embeds, &layout.at)?;
+    let (checkpoints, top) = checkpoint::forward(model, &hook.detached(), embeds, &layout.at)?;
     // The loss's gradient at the last block's output, through the head only.
     let top = Var::from_tensor(&top)?;
     let logp = layout.logprobs(model, top.as_tensor())?;
@@ -333,7 +333,6 @@ fn micro_batch_step(
 
     let mut ids: Vec<AdapterId> = batch.iter().filter_map(|r| r.0).collect();
     ids.dedup();
-    let hook = RowAdapters::new(adapters, &layout.adapters)?;
     checkpoint::backward(model, &hook, checkpoints, top_grad, |layer, store| {
         accumulate(grads, adapters, &ids, layer, store)
     })?;
