@@ -316,6 +316,14 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
         token_budget: 16,
     };
     let out = compute::train_step(&model, &set, &rows, config).unwrap();
+    // The train step's own forward agrees with scoring: every ratio is
+    // exp(-0.05), up to the f32 rounding of the stored old log-probs (≈ 5e-7).
+    for stats in out.stats.values() {
+        assert!(
+            (stats.mean_ratio - (-0.05f64).exp()).abs() < 2e-6,
+            "{stats:?}"
+        );
+    }
     assert!(
         out.micro_batches >= 2,
         "the check must cover gradient accumulation"

@@ -51,6 +51,7 @@ enum Command {
 }
 
 fn main() {
+    settle_thread_count();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => cli::run::run(args),
@@ -71,5 +72,16 @@ fn main() {
     if let Err(err) = result {
         eprintln!("error: {err:#}");
         std::process::exit(1);
+    }
+}
+
+/// candle looks up its thread count before every matmul and, unless
+/// RAYON_NUM_THREADS is set, parses /proc/cpuinfo to do it (≈ 20 ms of each
+/// SmolLM2 decode step went there). Settled once here, while the process has
+/// one thread, to the value candle would find.
+fn settle_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let threads = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
 }

@@ -192,9 +192,10 @@ impl Positions {
 /// `[rows, 1, new, head_dim/2]` and the attention mask.
 #[derive(Debug, Clone)]
 pub struct BlockContext {
-    cos: Tensor,
-    sin: Tensor,
-    mask: Tensor,
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// `[rows, 1, new, total_slots]`, 0 where visible, a large negative number elsewhere.
+    pub mask: Tensor,
 }
 
 /// Which positions to turn into logits.

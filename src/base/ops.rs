@@ -1,7 +1,9 @@
-//! Ops with hand-written backwards, for what candle's own ops do badly in a
-//! LoRA train step: gradients with respect to activations only, never to the
-//! frozen base weights, and fused kernels that keep one tensor for the
-//! backward pass instead of a chain of intermediates.
+//! Ops with hand-written backwards for the differentiable forward pass of
+//! [`super::model`] (autograd through the frozen base, as the gradient checks
+//! use it; the train step itself has its own backward, `compute::tape`):
+//! gradients with respect to activations only, never to the frozen base
+//! weights, and fused kernels that keep one tensor for the backward pass
+//! instead of a chain of intermediates.
 //!
 //! candle's matmul backward always forms both operand gradients. For `x·Wᵀ`
 //! with a frozen `W` that is one GEMM as large as the forward one, wasted, and

@@ -6,9 +6,10 @@
 //! ([`RowAdapters`]). Rows are ordered by adapter id before anything runs, so
 //! results never depend on request order.
 
-mod checkpoint;
 mod generate;
+mod kernels;
 mod row_adapters;
+mod tape;
 mod train;
 
 pub use generate::{generate, sample_token, GenRequest, Generation, Sampling, StopReason};

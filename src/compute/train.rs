@@ -2,24 +2,26 @@
 //! at once: one gradient set per adapter, accumulated over micro-batches.
 //!
 //! Memory is bounded by the micro-batch token budget (padded tokens per
-//! micro-batch, default [`DEFAULT_TOKEN_BUDGET`]): the backward pass runs one
-//! block at a time ([`checkpoint`]), so only block inputs and one block's
-//! activations scale with it, and logits are only formed at scored positions.
+//! micro-batch, default [`DEFAULT_TOKEN_BUDGET`]): the blocks' saved
+//! activations ([`tape`]) scale with it, and logits are only formed at scored
+//! positions.
 
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 
-use super::checkpoint;
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
+use super::tape::{self, SegmentLora};
 use super::{Error, Result};
 use crate::base::{Llama, Positions};
 use crate::lora::AdapterGrads;
+use crate::rl::ppo::token_loss_and_grad;
 
 /// Padded tokens per micro-batch (default 2048). Peak memory grows with it:
-/// a train step in 2048-token micro-batches of SmolLM2-135M with rank-8
-/// adapters on every projection peaked at 1.6 GB RSS, model included (13.4 GB
-/// before the block-by-block backward; BENCHMARKS.md, "Multi-adapter broker").
+/// the saved activations are ≈ 28 KB per token for SmolLM2-135M in f32, and a
+/// train step in 2048-token micro-batches with rank-8 adapters on every
+/// projection peaked at 2.6 GB RSS, model included (BENCHMARKS.md,
+/// "Multi-adapter broker").
 pub const DEFAULT_TOKEN_BUDGET: usize = 2048;
 
 /// PPO's clip range ε (AZR: 0.2).
@@ -282,7 +284,7 @@ pub fn train_step(
         if targets.owners.is_empty() {
             continue;
         }
-        let (per_token, ratio) = micro_batch_step(
+        let logps = micro_batch_step(
             model,
             adapters,
             &batch,
@@ -290,7 +292,7 @@ pub fn train_step(
             config.clip,
             &mut out.grads,
         )?;
-        record_stats(&mut out.stats, &targets, &per_token, &ratio, config.clip)?;
+        record_stats(&mut out.stats, &targets, &logps, config.clip);
         out.micro_batches += 1;
     }
     Ok(out)
@@ -306,9 +308,8 @@ struct PpoTargets {
     owners: Vec<AdapterId>,
 }
 
-/// Forward and backward of one micro-batch, the backward one block at a time
-/// (activation checkpointing, see [`checkpoint`]). Adds the factor gradients to
-/// `grads`; returns each scored token's loss term and ratio ρ.
+/// Forward and backward of one micro-batch ([`tape`]). Adds the factor
+/// gradients to `grads`; returns the scored tokens' log-probabilities.
 fn micro_batch_step(
     model: &Llama,
     adapters: &AdapterSet,
@@ -316,95 +317,44 @@ fn micro_batch_step(
     targets: &PpoTargets,
     clip: f64,
     grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<Vec<f64>> {
     let layout = Layout::new(model.device(), batch)?;
-    let hook = RowAdapters::new(adapters, &layout.adapters)?;
+    let (_, width) = layout.tokens.dims2()?;
+    let lora = SegmentLora::new(adapters, &layout.adapters, width)?;
     let embeds = model.embed(&layout.tokens)?;
-    let (checkpoints, top) = checkpoint::forward(model, &hook.detached(), embeds, &layout.at)?;
-    // The loss's gradient at the last block's output, through the head only.
-    let top = Var::from_tensor(&top)?;
-    let logp = layout.logprobs(model, top.as_tensor())?;
-    let (per_token, ratio) = ppo_terms(&logp, targets, clip)?;
-    let weights = Tensor::new(targets.weights.as_slice(), logp.device())?.to_dtype(logp.dtype())?;
-    let loss = (&per_token * weights)?.sum_all()?;
-    let top_grad = loss.backward()?.get(top.as_tensor()).cloned();
-    let top_grad = top_grad
-        .ok_or_else(|| candle_core::Error::Msg("no gradient reached the last block".into()))?;
-
-    let mut ids: Vec<AdapterId> = batch.iter().filter_map(|r| r.0).collect();
-    ids.dedup();
-    checkpoint::backward(model, &hook, checkpoints, top_grad, |layer, store| {
-        accumulate(grads, adapters, &ids, layer, store)
+    let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
+    let (logps, top_grad) = tape::head(model, &top, &layout.index, &layout.targets, |i, lp| {
+        targets.weights[i] as f64 * targets.token(i, lp, clip).1
     })?;
-    Ok((per_token, ratio))
+    tape::backward(model, &lora, tape, top_grad, grads)?;
+    Ok(logps)
 }
 
-/// PPO-clip per scored token: `-min(ρ·Â, clip(ρ, 1-ε, 1+ε)·Â)` and `ρ = exp(log π - log π_old)`.
-fn ppo_terms(logp: &Tensor, targets: &PpoTargets, clip: f64) -> Result<(Tensor, Tensor)> {
-    let vector = |v: &[f32]| Tensor::new(v, logp.device()).and_then(|t| t.to_dtype(logp.dtype()));
-    let advantages = vector(&targets.advantages)?;
-    let ratio = (logp - vector(&targets.old_logprobs)?)?.exp()?;
-    let unclipped = (&ratio * &advantages)?;
-    let clipped = (ratio.clamp(1.0 - clip, 1.0 + clip)? * &advantages)?;
-    let per_token = unclipped.minimum(&clipped)?.neg()?;
-    Ok((per_token, ratio))
-}
-
-/// Adds the gradients of `layer`'s factors of every adapter in `ids` to `acc`
-/// (zeros for a factor the pass did not reach).
-fn accumulate(
-    acc: &mut BTreeMap<AdapterId, AdapterGrads>,
-    adapters: &AdapterSet,
-    ids: &[AdapterId],
-    layer: usize,
-    grads: &candle_core::backprop::GradStore,
-) -> Result<()> {
-    for &id in ids {
-        let adapter = adapters.adapters[&id];
-        let entry = acc.entry(id).or_default();
-        for (key, m) in adapter.modules.iter().filter(|(k, _)| k.layer == layer) {
-            let zeros = |t: &Tensor| Tensor::zeros(t.dims(), t.dtype(), t.device());
-            let ga = grads
-                .get(m.a.as_tensor())
-                .cloned()
-                .map_or_else(|| zeros(m.a.as_tensor()), Ok)?;
-            let gb = grads
-                .get(m.b.as_tensor())
-                .cloned()
-                .map_or_else(|| zeros(m.b.as_tensor()), Ok)?;
-            match entry.get_mut(key) {
-                Some((a, b)) => {
-                    *a = (&*a + ga)?;
-                    *b = (&*b + gb)?;
-                }
-                None => {
-                    entry.insert(*key, (ga, gb));
-                }
-            }
-        }
+impl PpoTargets {
+    /// Scored token `i`'s PPO-clip loss term and its derivative with respect
+    /// to its log-probability `logp` (see [`crate::rl::ppo`]).
+    fn token(&self, i: usize, logp: f64, clip: f64) -> (f64, f64) {
+        let log_ratio = logp - self.old_logprobs[i] as f64;
+        token_loss_and_grad(log_ratio, self.advantages[i] as f64, clip)
     }
-    Ok(())
 }
 
 fn record_stats(
     stats: &mut BTreeMap<AdapterId, TrainStats>,
     targets: &PpoTargets,
-    per_token: &Tensor,
-    ratio: &Tensor,
+    logps: &[f64],
     clip: f64,
-) -> Result<()> {
-    let losses = per_token.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    let ratios = ratio.to_dtype(DType::F64)?.to_vec1::<f64>()?;
-    for (i, &id) in targets.owners.iter().enumerate() {
+) {
+    for (i, (&id, &logp)) in targets.owners.iter().zip(logps).enumerate() {
         let s = stats.entry(id).or_default();
         let n = s.tokens as f64;
-        s.loss += losses[i] * targets.weights[i] as f64;
-        let clipped = (ratios[i] - 1.0).abs() > clip;
+        let ratio = (logp - targets.old_logprobs[i] as f64).exp();
+        s.loss += targets.token(i, logp, clip).0 * targets.weights[i] as f64;
+        let clipped = (ratio - 1.0).abs() > clip;
         s.clip_fraction = (s.clip_fraction * n + clipped as u8 as f64) / (n + 1.0);
-        s.mean_ratio = (s.mean_ratio * n + ratios[i]) / (n + 1.0);
+        s.mean_ratio = (s.mean_ratio * n + ratio) / (n + 1.0);
         s.tokens += 1;
     }
-    Ok(())
 }
 
 #[cfg(test)]

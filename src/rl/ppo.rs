@@ -83,22 +83,31 @@ pub fn ppo_clip_token_loss_grad(
         return Ok(grad);
     }
     for t in tokens {
-        let (a, ratio) = (adv[t], (logp_new[t] - logp_old[t]).exp());
-        let unclipped = -a * ratio;
-        let clipped = -a * ratio.clamp(1.0 - clip, 1.0 + clip);
-        if a != 0.0 && unclipped >= clipped {
-            grad[t] = mask[t] * unclipped / total;
-        }
+        let (_, d) = token_loss_and_grad(logp_new[t] - logp_old[t], adv[t], clip);
+        grad[t] = mask[t] * d / total;
     }
     Ok(grad)
 }
 
-fn token_loss(log_ratio: f64, a: f64, clip: f64) -> f64 {
+/// One token's `ℓ_t` and its derivative with respect to `logp_new_t`:
+/// `−A_t·ρ_t` where the unclipped term is the larger one (ties included), 0
+/// where the clipped term is (it is constant in ρ there).
+pub fn token_loss_and_grad(log_ratio: f64, a: f64, clip: f64) -> (f64, f64) {
     if a == 0.0 {
-        return 0.0; // avoids 0·∞ when the ratio overflows
+        return (0.0, 0.0); // avoids 0·∞ when the ratio overflows
     }
     let ratio = log_ratio.exp();
-    (-a * ratio).max(-a * ratio.clamp(1.0 - clip, 1.0 + clip))
+    let unclipped = -a * ratio;
+    let clipped = -a * ratio.clamp(1.0 - clip, 1.0 + clip);
+    if unclipped >= clipped {
+        (unclipped, unclipped)
+    } else {
+        (clipped, 0.0)
+    }
+}
+
+fn token_loss(log_ratio: f64, a: f64, clip: f64) -> f64 {
+    token_loss_and_grad(log_ratio, a, clip).0
 }
 
 /// Validates the inputs and returns the indices of tokens with nonzero mask.

@@ -1,0 +1,532 @@
+//! Fused CPU kernels of the train step's hand-written forward and backward
+//! ([`super::tape`]), in f32 and f64 (the f64 path serves the finite-difference
+//! gradient check). Each reads its inputs once and writes one new tensor, in
+//! parallel over rows, where candle would chain several single-pass ops and
+//! allocate a tensor for each.
+
+use std::ops::Range;
+
+use candle_core::{bail, Device, Result, Shape, Storage, StorageRef, Tensor, WithDType};
+use rayon::prelude::*;
+
+/// The float types the kernels run in.
+pub trait Real: WithDType {
+    const ZERO: Self;
+    const ONE: Self;
+    fn exp(self) -> Self;
+    fn sqrt(self) -> Self;
+}
+
+impl Real for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+}
+
+impl Real for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+}
+
+/// A read lock on a contiguous CPU tensor's values.
+struct View<'a> {
+    storage: StorageRef<'a>,
+    range: Range<usize>,
+}
+
+impl View<'_> {
+    fn of(t: &Tensor) -> Result<View<'_>> {
+        let (storage, layout) = t.storage_and_layout();
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("kernel input {:?} is not contiguous", t.shape())
+        };
+        Ok(View {
+            storage,
+            range: start..end,
+        })
+    }
+
+    fn values<T: Real>(&self) -> Result<&[T]> {
+        match &*self.storage {
+            Storage::Cpu(s) => Ok(&T::cpu_storage_as_slice(s)?[self.range.clone()]),
+            _ => bail!("kernels run on the CPU only"),
+        }
+    }
+}
+
+fn tensor<T: Real>(values: Vec<T>, shape: impl Into<Shape>) -> Result<Tensor> {
+    Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+fn last_dim(t: &Tensor) -> Result<usize> {
+    t.dims()
+        .last()
+        .copied()
+        .filter(|&d| d > 0)
+        .ok_or_else(|| candle_core::Error::Msg(format!("kernel input {:?} is empty", t.shape())))
+}
+
+/// `1 / √(mean(x²) + ε)` of one row.
+fn inverse_rms<T: Real>(x: &[T], eps: f64) -> T {
+    let sum = x.iter().fold(T::ZERO, |s, &v| s + v * v);
+    T::ONE / (sum / T::from_f64(x.len() as f64) + T::from_f64(eps)).sqrt()
+}
+
+/// RMSNorm over the last axis: `x · r · w`, `r = 1/√(mean(x²) + ε)`.
+pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = last_dim(x)?;
+    let (xv, wv) = (View::of(x)?, View::of(w)?);
+    let (xs, ws) = (xv.values::<T>()?, wv.values::<T>()?);
+    let mut out = vec![T::ZERO; xs.len()];
+    out.par_chunks_mut(d)
+        .zip(xs.par_chunks(d))
+        .for_each(|(y, x)| {
+            let r = inverse_rms(x, eps);
+            for ((y, &x), &w) in y.iter_mut().zip(x).zip(ws) {
+                *y = x * r * w;
+            }
+        });
+    tensor(out, x.shape())
+}
+
+/// `residual + ∂/∂x` of RMSNorm given the output gradient `g`:
+/// `r · (g⊙w − x̂ · mean(g⊙w⊙x̂))`, `x̂ = x·r`.
+pub fn rms_norm_backward<T: Real>(
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    g: &Tensor,
+    residual: Option<&Tensor>,
+) -> Result<Tensor> {
+    let d = last_dim(x)?;
+    let (xv, wv, gv) = (View::of(x)?, View::of(w)?, View::of(g)?);
+    let (xs, ws, gs) = (xv.values::<T>()?, wv.values::<T>()?, gv.values::<T>()?);
+    let mut out = match residual {
+        Some(r) => View::of(r)?.values::<T>()?.to_vec(),
+        None => vec![T::ZERO; xs.len()],
+    };
+    let n = T::from_f64(d as f64);
+    out.par_chunks_mut(d)
+        .zip(xs.par_chunks(d).zip(gs.par_chunks(d)))
+        .for_each(|(dx, (x, g))| {
+            let r = inverse_rms(x, eps);
+            let dot = x
+                .iter()
+                .zip(g)
+                .zip(ws)
+                .fold(T::ZERO, |s, ((&x, &g), &w)| s + g * w * x * r);
+            let mean = dot / n;
+            for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(ws) {
+                *dx += r * (g * w - x * r * mean);
+            }
+        });
+    tensor(out, x.shape())
+}
+
+/// The shape of one RoPE'd projection: `rows` sequences of `n` tokens, `heads`
+/// heads of `head_dim` values.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub rows: usize,
+    pub n: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+/// HF ("rotate half") RoPE of a projection `[rows·n, heads·hd]`, written out
+/// head-major as `[rows, heads, n, hd]` (the split-heads transpose in the same
+/// pass). `cos`/`sin`: `[rows, 1, n, hd/2]`.
+pub fn rope_heads<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, s: Heads) -> Result<Tensor> {
+    let (hd, half) = (s.head_dim, s.head_dim / 2);
+    let (xv, cv, sv) = (View::of(x)?, View::of(cos)?, View::of(sin)?);
+    let (xs, cs, ss) = (xv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
+    let mut out = vec![T::ZERO; xs.len()];
+    // One chunk per (row, head): n·hd output values.
+    out.par_chunks_mut(s.n * hd)
+        .enumerate()
+        .for_each(|(rh, y)| {
+            let (r, h) = (rh / s.heads, rh % s.heads);
+            for (i, y) in y.chunks_mut(hd).enumerate() {
+                let src = ((r * s.n + i) * s.heads + h) * hd;
+                let trig = (r * s.n + i) * half;
+                for j in 0..half {
+                    let (x1, x2) = (xs[src + j], xs[src + half + j]);
+                    let (c, sn) = (cs[trig + j], ss[trig + j]);
+                    y[j] = x1 * c - x2 * sn;
+                    y[half + j] = x2 * c + x1 * sn;
+                }
+            }
+        });
+    tensor(out, (s.rows, s.heads, s.n, hd))
+}
+
+/// The gradient of [`rope_heads`]: `[rows, heads, n, hd]` in, the projection's
+/// `[rows·n, heads·hd]` out (the inverse rotation and the merge-heads transpose).
+pub fn rope_heads_backward<T: Real>(
+    g: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    s: Heads,
+) -> Result<Tensor> {
+    let (hd, half) = (s.head_dim, s.head_dim / 2);
+    let (gv, cv, sv) = (View::of(g)?, View::of(cos)?, View::of(sin)?);
+    let (gs, cs, ss) = (gv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
+    let mut out = vec![T::ZERO; gs.len()];
+    // One chunk per token (row, i): heads·hd output values.
+    out.par_chunks_mut(s.heads * hd)
+        .enumerate()
+        .for_each(|(ri, y)| {
+            let (r, i) = (ri / s.n, ri % s.n);
+            let trig = ri * half;
+            for (h, y) in y.chunks_mut(hd).enumerate() {
+                let src = ((r * s.heads + h) * s.n + i) * hd;
+                for j in 0..half {
+                    let (g1, g2) = (gs[src + j], gs[src + half + j]);
+                    let (c, sn) = (cs[trig + j], ss[trig + j]);
+                    y[j] = g1 * c + g2 * sn;
+                    y[half + j] = g2 * c - g1 * sn;
+                }
+            }
+        });
+    tensor(out, (s.rows * s.n, s.heads * hd))
+}
+
+/// Attention probabilities `softmax(scale·s + mask)` over the last axis, for
+/// scores `[rows, …, n, slots]` (any number of heads between) and the additive
+/// mask `[rows, 1, n, slots]` shared by every head of a row.
+pub fn masked_softmax<T: Real>(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    let slots = last_dim(scores)?;
+    let (rows, _, n, _) = mask.dims4()?;
+    let per_row = scores.elem_count() / rows;
+    let (sv, mv) = (View::of(scores)?, View::of(mask)?);
+    let (ss, ms) = (sv.values::<T>()?, mv.values::<T>()?);
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::ZERO; ss.len()];
+    out.par_chunks_mut(slots)
+        .zip(ss.par_chunks(slots))
+        .enumerate()
+        .for_each(|(q, (p, s))| {
+            let (r, i) = (q * slots / per_row, q % n);
+            let m = &ms[(r * n + i) * slots..][..slots];
+            let mut max = T::from_f64(f64::NEG_INFINITY);
+            for ((p, &s), &m) in p.iter_mut().zip(s).zip(m) {
+                *p = scale * s + m;
+                max = if *p > max { *p } else { max };
+            }
+            let mut sum = T::ZERO;
+            for p in p.iter_mut() {
+                *p = (*p - max).exp();
+                sum += *p;
+            }
+            p.iter_mut().for_each(|p| *p /= sum);
+        });
+    tensor(out, scores.shape())
+}
+
+/// The gradient of [`masked_softmax`] with respect to the unscaled scores:
+/// `scale · p ⊙ (g − Σⱼ gⱼ·pⱼ)`.
+pub fn masked_softmax_backward<T: Real>(p: &Tensor, g: &Tensor, scale: f64) -> Result<Tensor> {
+    let slots = last_dim(p)?;
+    let (pv, gv) = (View::of(p)?, View::of(g)?);
+    let (ps, gs) = (pv.values::<T>()?, gv.values::<T>()?);
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::ZERO; ps.len()];
+    out.par_chunks_mut(slots)
+        .zip(ps.par_chunks(slots).zip(gs.par_chunks(slots)))
+        .for_each(|(d, (p, g))| {
+            let dot = p.iter().zip(g).fold(T::ZERO, |s, (&p, &g)| s + p * g);
+            for ((d, &p), &g) in d.iter_mut().zip(p).zip(g) {
+                *d = scale * p * (g - dot);
+            }
+        });
+    tensor(out, p.shape())
+}
+
+/// For `logits` `[n, vocab]` and one target token per row: each row's
+/// `log softmax(logits)[target]`, and the gradient at the logits of a loss
+/// whose derivative with respect to row `i`'s log-prob is `dloss(i, logp)`:
+/// `g·(onehot(target) − softmax(logits))`, `g = dloss(i, logp)`.
+pub fn target_logprob_grad<T: Real>(
+    logits: &Tensor,
+    targets: &[u32],
+    dloss: impl Fn(usize, f64) -> f64 + Sync,
+) -> Result<(Vec<f64>, Tensor)> {
+    let vocab = last_dim(logits)?;
+    if targets.len() * vocab != logits.elem_count() {
+        bail!("{} targets for logits {:?}", targets.len(), logits.shape())
+    }
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= vocab) {
+        bail!("target token {t} outside the vocabulary of {vocab}")
+    }
+    let lv = View::of(logits)?;
+    let ls = lv.values::<T>()?;
+    let mut grad = vec![T::ZERO; ls.len()];
+    let logps = grad
+        .par_chunks_mut(vocab)
+        .zip(ls.par_chunks(vocab))
+        .enumerate()
+        .map(|(i, (z, l))| {
+            let max = l
+                .iter()
+                .copied()
+                .fold(l[0], |m, v| if v > m { v } else { m });
+            let mut sum = 0f64;
+            for (z, &l) in z.iter_mut().zip(l) {
+                *z = (l - max).exp();
+                sum += z.to_f64();
+            }
+            let target = targets[i] as usize;
+            let logp = (l[target] - max).to_f64() - sum.ln();
+            let g = dloss(i, logp);
+            let scale = T::from_f64(-g / sum);
+            z.iter_mut().for_each(|z| *z *= scale);
+            z[target] += T::from_f64(g);
+            logp
+        })
+        .collect();
+    Ok((logps, tensor(grad, logits.shape())?))
+}
+
+/// Rows per parallel task of the elementwise kernels below.
+const CHUNK: usize = 4096;
+
+fn sigmoid<T: Real>(x: T) -> T {
+    T::ONE / (T::ONE + (T::ZERO - x).exp())
+}
+
+/// SwiGLU's product `silu(gate) ⊙ up`.
+pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let (gv, uv) = (View::of(gate)?, View::of(up)?);
+    let (gs, us) = (gv.values::<T>()?, uv.values::<T>()?);
+    let mut out = vec![T::ZERO; gs.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)))
+        .for_each(|(y, (g, u))| {
+            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                *y = g * sigmoid(g) * u;
+            }
+        });
+    tensor(out, gate.shape())
+}
+
+/// The gradients of [`swiglu`] given its output gradient `d`:
+/// `(d ⊙ up ⊙ σ(g)(1 + g(1 − σ(g))), d ⊙ silu(g))`.
+pub fn swiglu_backward<T: Real>(
+    gate: &Tensor,
+    up: &Tensor,
+    d: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (gv, uv, dv) = (View::of(gate)?, View::of(up)?, View::of(d)?);
+    let (gs, us, ds) = (gv.values::<T>()?, uv.values::<T>()?, dv.values::<T>()?);
+    let mut d_gate = vec![T::ZERO; gs.len()];
+    let mut d_up = vec![T::ZERO; gs.len()];
+    d_gate
+        .par_chunks_mut(CHUNK)
+        .zip(d_up.par_chunks_mut(CHUNK))
+        .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)))
+        .zip(ds.par_chunks(CHUNK))
+        .for_each(|(((dg, du), (g, u)), d)| {
+            for i in 0..g.len() {
+                let s = sigmoid(g[i]);
+                dg[i] = d[i] * u[i] * s * (T::ONE + g[i] * (T::ONE - s));
+                du[i] = d[i] * g[i] * s;
+            }
+        });
+    Ok((tensor(d_gate, gate.shape())?, tensor(d_up, gate.shape())?))
+}
+
+/// `y` with `parts[k].1` added to its rows from `parts[k].0` on (`y` `[m, d]`,
+/// each part `[len, d]`): a segment's LoRA delta added to the frozen projection.
+pub fn add_rows<T: Real>(y: &Tensor, parts: &[(usize, Tensor)]) -> Result<Tensor> {
+    let d = last_dim(y)?;
+    let mut out = View::of(y)?.values::<T>()?.to_vec();
+    for (start, part) in parts {
+        let pv = View::of(part)?;
+        let ps = pv.values::<T>()?;
+        let Some(dst) = out.get_mut(start * d..start * d + ps.len()) else {
+            bail!(
+                "add_rows: part {:?} at row {start} outside {:?}",
+                part.shape(),
+                y.shape()
+            )
+        };
+        dst.par_chunks_mut(CHUNK)
+            .zip(ps.par_chunks(CHUNK))
+            .for_each(|(o, p)| o.iter_mut().zip(p).for_each(|(o, &p)| *o += p));
+    }
+    tensor(out, y.shape())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Var, D};
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    fn randn(shape: &[usize]) -> Tensor {
+        Tensor::randn(0f64, 1.0, shape, &Device::Cpu).unwrap()
+    }
+
+    /// `∂(Σ f(x)⊙w)/∂x` through candle's plain ops.
+    fn plain_grad(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
+        let var = Var::from_tensor(x).unwrap();
+        let y = f(var.as_tensor());
+        let grads = (y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        grads.get(var.as_tensor()).unwrap().clone()
+    }
+
+    #[test]
+    fn rms_norm_matches_plain_ops_in_value_and_gradient() {
+        let (x, w, g, res) = (randn(&[5, 8]), randn(&[8]), randn(&[5, 8]), randn(&[5, 8]));
+        let plain = |x: &Tensor| {
+            let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-5)
+                .unwrap()
+                .sqrt()
+                .unwrap();
+            x.broadcast_div(&r).unwrap().broadcast_mul(&w).unwrap()
+        };
+        assert!(max_abs_diff(&rms_norm::<f64>(&x, &w, 1e-5).unwrap(), &plain(&x)) < 1e-12);
+        let ours = rms_norm_backward::<f64>(&x, &w, 1e-5, &g, Some(&res)).unwrap();
+        let expected = (plain_grad(&x, &g, plain) + &res).unwrap();
+        assert!(max_abs_diff(&ours, &expected) < 1e-12);
+    }
+
+    #[test]
+    fn rope_heads_matches_plain_ops_in_value_and_gradient() {
+        let s = Heads {
+            rows: 2,
+            n: 3,
+            heads: 2,
+            head_dim: 4,
+        };
+        let x = randn(&[s.rows * s.n, s.heads * s.head_dim]);
+        let (cos, sin) = (randn(&[s.rows, 1, s.n, 2]), randn(&[s.rows, 1, s.n, 2]));
+        let plain = |x: &Tensor| {
+            let x = x
+                .reshape((s.rows, s.n, s.heads, s.head_dim))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap();
+            let (x1, x2) = (x.narrow(3, 0, 2).unwrap(), x.narrow(3, 2, 2).unwrap());
+            let mul = |a: &Tensor, b: &Tensor| a.broadcast_mul(b).unwrap();
+            let r1 = (mul(&x1, &cos) - mul(&x2, &sin)).unwrap();
+            let r2 = (mul(&x2, &cos) + mul(&x1, &sin)).unwrap();
+            Tensor::cat(&[r1, r2], 3).unwrap()
+        };
+        let ours = rope_heads::<f64>(&x, &cos, &sin, s).unwrap();
+        assert!(max_abs_diff(&ours, &plain(&x)) < 1e-12);
+        let g = randn(ours.dims());
+        let back = rope_heads_backward::<f64>(&g, &cos, &sin, s).unwrap();
+        assert!(max_abs_diff(&back, &plain_grad(&x, &g, plain)) < 1e-12);
+    }
+
+    #[test]
+    fn masked_softmax_matches_plain_ops_in_value_and_gradient() {
+        let (rows, heads, n) = (2, 3, 4);
+        let scores = randn(&[rows, heads, n, n]);
+        let mask = Tensor::from_vec(
+            (0..rows * n * n)
+                .map(|i| if i % n > (i / n) % n { -1e9 } else { 0.0 })
+                .collect::<Vec<f64>>(),
+            (rows, 1, n, n),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let plain = |s: &Tensor| {
+            let z = ((s * 0.5).unwrap().broadcast_add(&mask)).unwrap();
+            let e = z
+                .broadcast_sub(&z.max_keepdim(D::Minus1).unwrap())
+                .unwrap()
+                .exp()
+                .unwrap();
+            e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
+        };
+        let p = masked_softmax::<f64>(&scores, &mask, 0.5).unwrap();
+        assert!(max_abs_diff(&p, &plain(&scores)) < 1e-12);
+        let g = randn(p.dims());
+        let back = masked_softmax_backward::<f64>(&p, &g, 0.5).unwrap();
+        assert!(max_abs_diff(&back, &plain_grad(&scores, &g, plain)) < 1e-12);
+    }
+
+    #[test]
+    fn target_logprob_grad_matches_plain_ops() {
+        let logits = randn(&[3, 7]);
+        let targets = [4u32, 0, 6];
+        let weights = [0.5, -2.0, 1.5];
+        let (logps, grad) =
+            target_logprob_grad::<f64>(&logits, &targets, |i, _| weights[i]).unwrap();
+        let picked = |l: &Tensor| {
+            candle_nn::ops::log_softmax(l, D::Minus1)
+                .unwrap()
+                .gather(
+                    &Tensor::new(&targets, &Device::Cpu)
+                        .unwrap()
+                        .unsqueeze(1)
+                        .unwrap(),
+                    1,
+                )
+                .unwrap()
+                .squeeze(1)
+                .unwrap()
+        };
+        let expected = picked(&logits).to_vec1::<f64>().unwrap();
+        for (a, b) in logps.iter().zip(&expected) {
+            assert!((a - b).abs() < 1e-12);
+        }
+        let w = Tensor::new(&weights, &Device::Cpu).unwrap();
+        assert!(max_abs_diff(&grad, &plain_grad(&logits, &w, picked)) < 1e-12);
+        assert!(target_logprob_grad::<f64>(&logits, &[4, 0, 7], |_, _| 1.0).is_err());
+    }
+
+    #[test]
+    fn swiglu_and_add_rows_match_plain_ops() {
+        let (gate, up, d) = (randn(&[3, 5000]), randn(&[3, 5000]), randn(&[3, 5000]));
+        let ours = swiglu::<f64>(&gate, &up).unwrap();
+        let plain = (gate.silu().unwrap() * &up).unwrap();
+        assert!(max_abs_diff(&ours, &plain) < 1e-12);
+        let (dg, du) = swiglu_backward::<f64>(&gate, &up, &d).unwrap();
+        let expect_dg = plain_grad(&gate, &d, |g| (g.silu().unwrap() * &up).unwrap());
+        let expect_du = plain_grad(&up, &d, |u| (gate.silu().unwrap() * u).unwrap());
+        assert!(max_abs_diff(&dg, &expect_dg) < 1e-12);
+        assert!(max_abs_diff(&du, &expect_du) < 1e-12);
+
+        let y = randn(&[4, 3]);
+        let part = randn(&[2, 3]);
+        let ours = add_rows::<f64>(&y, &[(1, part.clone())]).unwrap();
+        let expected = Tensor::cat(
+            &[
+                y.narrow(0, 0, 1).unwrap(),
+                (y.narrow(0, 1, 2).unwrap() + &part).unwrap(),
+                y.narrow(0, 3, 1).unwrap(),
+            ],
+            0,
+        )
+        .unwrap();
+        assert!(max_abs_diff(&ours, &expected) < 1e-15);
+        assert!(add_rows::<f64>(&y, &[(3, part)]).is_err());
+        assert_eq!(ours.dtype(), DType::F64);
+    }
+}

@@ -1,0 +1,487 @@
+//! The train step's passes through the blocks: a forward that keeps what the
+//! backward needs, and the backward written out by hand.
+//!
+//! The base is frozen, so the backward needs only input gradients through the
+//! frozen projections and the LoRA factors' own gradients. candle's autograd
+//! would also allocate a zeroed gradient and add into it for every edge of the
+//! graph, and keep every intermediate alive; here each block saves its
+//! activations (about 7k values per token, 28 KB in f32 for SmolLM2, so 1.7 GB
+//! for a 2048-token micro-batch of its 30 blocks) and the backward reads them
+//! top down:
+//!
+//! ```text
+//! forward (per block)                       backward (per block, reversed)
+//! a   = RMSNorm(x)                          ∂s      = ∂y·W_down + LoRA
+//! q,k = RoPE(a·Wq, a·Wk), v = a·Wv          ∂gate, ∂up from ∂s (SwiGLU)
+//! P   = softmax(q·kᵀ/√d + mask)             ∂m      = ∂gate·W_gate + ∂up·W_up
+//! x₂  = x + (P·v)·Wo                        ∂x₂     = ∂y + RMSNorm'(∂m)
+//! m   = RMSNorm(x₂)                         ∂attn   = ∂x₂·Wo;  P recomputed
+//! y   = x₂ + (silu(m·Wg) ⊙ m·Wu)·W_down     ∂v = Pᵀ·∂o, ∂S = P⊙(∂P − Σ∂P⊙P)
+//!                                           ∂q = ∂S·k/√d, ∂k = ∂Sᵀ·q/√d, RoPE⁻¹
+//!                                           ∂x      = ∂x₂ + RMSNorm'(∂q·Wq + ∂k·Wk + ∂v·Wv)
+//! ```
+//!
+//! Every projection adds its rows' LoRA delta `x·Aᵀ·(s·B)ᵀ`, segment by
+//! segment (rows are grouped by adapter); its backward adds
+//! `∂A = (∂y·s·B)ᵀ·x` and `∂B = s·∂yᵀ·(x·Aᵀ)` to that adapter's gradients.
+//! The first block's input gradient is never formed (the embeddings are frozen).
+
+use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor};
+
+use super::kernels::{self, Heads, Real};
+use super::row_adapters::{AdapterId, AdapterSet};
+use super::{Error, Result};
+use crate::base::{BlockContext, Linear, Llama, Positions};
+use crate::lora::{Adapter, AdapterGrads, ModuleKey, Target};
+
+/// Rows of a micro-batch that share one adapter, as token rows
+/// `start..start + len` of the flattened `[rows·n, hidden]` activations.
+struct Segment<'a> {
+    start: usize,
+    len: usize,
+    id: AdapterId,
+    adapter: &'a Adapter,
+}
+
+/// One adapter's factors of one module, cut loose from its `Var`s:
+/// `A [r, in]` and `s·B [out, r]`.
+struct Factors {
+    a: Tensor,
+    b_scaled: Tensor,
+}
+
+/// The LoRA of a micro-batch whose rows are grouped by adapter.
+pub struct SegmentLora<'a> {
+    segments: Vec<Segment<'a>>,
+    /// By (segment index, module).
+    factors: BTreeMap<(usize, ModuleKey), Factors>,
+}
+
+impl<'a> SegmentLora<'a> {
+    /// `rows[i]` is the adapter of row `i` (rows sharing one are adjacent),
+    /// each row `n` tokens long.
+    pub fn new(set: &AdapterSet<'a>, rows: &[Option<AdapterId>], n: usize) -> Result<Self> {
+        let mut segments: Vec<Segment> = Vec::new();
+        for (row, &adapter) in rows.iter().enumerate() {
+            let Some(id) = adapter else { continue };
+            match segments.last_mut() {
+                Some(last) if last.id == id && last.start + last.len == row * n => last.len += n,
+                _ => segments.push(Segment {
+                    start: row * n,
+                    len: n,
+                    id,
+                    adapter: set
+                        .adapters
+                        .get(&id)
+                        .ok_or(Error::UnknownAdapter { row, adapter: id })?,
+                }),
+            }
+        }
+        let mut factors = BTreeMap::new();
+        for (k, seg) in segments.iter().enumerate() {
+            for (&key, m) in &seg.adapter.modules {
+                let b_scaled = (m.b.as_tensor().detach() * seg.adapter.scale())?;
+                let a = m.a.as_tensor().detach();
+                factors.insert((k, key), Factors { a, b_scaled });
+            }
+        }
+        Ok(SegmentLora { segments, factors })
+    }
+
+    /// `x·Wᵀ (+ bias)` plus each segment's delta, for `x` `[tokens, in]`, and
+    /// each segment's `x·Aᵀ` (kept for the backward; `None` where its
+    /// adapter lacks the module).
+    fn project<T: Real>(
+        &self,
+        key: ModuleKey,
+        linear: &Linear,
+        x: &Tensor,
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let mut y = x.matmul(&linear.weight.t()?)?;
+        if let Some(bias) = &linear.bias {
+            y = y.broadcast_add(bias)?;
+        }
+        let mut deltas = Vec::new();
+        let mut shrunk = Vec::with_capacity(self.segments.len());
+        for (k, seg) in self.segments.iter().enumerate() {
+            let Some(f) = self.factors.get(&(k, key)) else {
+                shrunk.push(None);
+                continue;
+            };
+            let u = x.narrow(0, seg.start, seg.len)?.matmul(&f.a.t()?)?;
+            deltas.push((seg.start, u.matmul(&f.b_scaled.t()?)?));
+            shrunk.push(Some(u));
+        }
+        Ok((kernels::add_rows::<T>(&y, &deltas)?, shrunk))
+    }
+
+    /// Adds each segment's factor gradients of `key` to `grads`, given the
+    /// projection's input `x`, its saved `shrunk` and its output gradient
+    /// `dy`; returns the LoRA part of `∂x` as `(first row, [len, in])` parts.
+    fn factor_grads(
+        &self,
+        key: ModuleKey,
+        x: &Tensor,
+        shrunk: &[Option<Tensor>],
+        dy: &Tensor,
+        grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    ) -> Result<Vec<(usize, Tensor)>> {
+        let mut dx_parts = Vec::new();
+        for ((k, seg), u) in self.segments.iter().enumerate().zip(shrunk) {
+            let (Some(f), Some(u)) = (self.factors.get(&(k, key)), u) else {
+                continue;
+            };
+            let dy = dy.narrow(0, seg.start, seg.len)?;
+            let du = dy.matmul(&f.b_scaled)?;
+            let da = du.t()?.matmul(&x.narrow(0, seg.start, seg.len)?)?;
+            let db = (dy.t()?.matmul(u)? * seg.adapter.scale())?;
+            add_grads(grads, seg.id, key, da, db)?;
+            dx_parts.push((seg.start, du.matmul(&f.a)?));
+        }
+        Ok(dx_parts)
+    }
+}
+
+fn add_grads(
+    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    id: AdapterId,
+    key: ModuleKey,
+    da: Tensor,
+    db: Tensor,
+) -> Result<()> {
+    match grads.entry(id).or_default().entry(key) {
+        Entry::Occupied(mut e) => {
+            let (a, b) = e.get_mut();
+            *a = (&*a + da)?;
+            *b = (&*b + db)?;
+        }
+        Entry::Vacant(e) => {
+            e.insert((da, db));
+        }
+    }
+    Ok(())
+}
+
+/// What one block's forward keeps for its backward. Activations are
+/// `[tokens, width]` unless noted.
+struct Saved {
+    x: Tensor,
+    a: Tensor,
+    /// `[rows, heads, n, head_dim]`, after RoPE.
+    q: Tensor,
+    /// `[rows, kv_heads, n, head_dim]`, after RoPE.
+    k: Tensor,
+    /// `[rows, kv_heads, n, head_dim]`.
+    v: Tensor,
+    attn: Tensor,
+    x2: Tensor,
+    m: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    /// Each projection's per-segment `x·Aᵀ`.
+    shrunk: BTreeMap<Target, Vec<Option<Tensor>>>,
+}
+
+/// The forward pass's saved activations, block by block.
+pub struct Tape {
+    saved: Vec<Saved>,
+    ctx: BlockContext,
+}
+
+/// One micro-batch's pass through the blocks.
+struct Pass<'a> {
+    model: &'a Llama,
+    lora: &'a SegmentLora<'a>,
+    ctx: &'a BlockContext,
+    rows: usize,
+    n: usize,
+}
+
+/// Runs the blocks on `embeds` (`[rows, n, hidden]`), saving what the
+/// backward needs; returns the tape and the last block's output `[rows·n, hidden]`.
+pub fn forward(
+    model: &Llama,
+    lora: &SegmentLora,
+    embeds: &Tensor,
+    at: &Positions,
+) -> Result<(Tape, Tensor)> {
+    match embeds.dtype() {
+        DType::F32 => forward_as::<f32>(model, lora, embeds, at),
+        DType::F64 => forward_as::<f64>(model, lora, embeds, at),
+        other => Err(candle_core::Error::Msg(format!("train step in {other:?}")).into()),
+    }
+}
+
+fn forward_as<T: Real>(
+    model: &Llama,
+    lora: &SegmentLora,
+    embeds: &Tensor,
+    at: &Positions,
+) -> Result<(Tape, Tensor)> {
+    let (rows, n, hidden) = embeds.dims3()?;
+    let ctx = model.block_context(at, embeds.dtype())?;
+    let pass = Pass {
+        model,
+        lora,
+        ctx: &ctx,
+        rows,
+        n,
+    };
+    let mut h = embeds.reshape((rows * n, hidden))?;
+    let mut saved = Vec::with_capacity(model.blocks.len());
+    for layer in 0..model.blocks.len() {
+        let (y, s) = pass.block_forward::<T>(layer, h)?;
+        saved.push(s);
+        h = y;
+    }
+    Ok((Tape { saved, ctx }, h))
+}
+
+/// Scored rows per chunk of the LM head (default 256: a `[256, 49152]` f32
+/// logits block is 50 MB).
+const HEAD_CHUNK_ROWS: usize = 256;
+
+/// The log-probabilities of `targets` at rows `index` of the last block's
+/// output `top` (`[rows·n, hidden]`), and the gradient at `top` of a loss
+/// whose derivative with respect to the `i`th log-prob is `dloss(i, logp)`:
+/// through the final norm and the LM head, each chunk of rows' logits used
+/// for both before the next is formed.
+pub fn head(
+    model: &Llama,
+    top: &Tensor,
+    index: &Tensor,
+    targets: &[u32],
+    dloss: impl Fn(usize, f64) -> f64 + Sync,
+) -> Result<(Vec<f64>, Tensor)> {
+    match top.dtype() {
+        DType::F32 => head_as::<f32>(model, top, index, targets, dloss),
+        DType::F64 => head_as::<f64>(model, top, index, targets, dloss),
+        other => Err(candle_core::Error::Msg(format!("train step in {other:?}")).into()),
+    }
+}
+
+fn head_as<T: Real>(
+    model: &Llama,
+    top: &Tensor,
+    index: &Tensor,
+    targets: &[u32],
+    dloss: impl Fn(usize, f64) -> f64 + Sync,
+) -> Result<(Vec<f64>, Tensor)> {
+    let eps = model.config.rms_norm_eps;
+    let hidden = top.index_select(index, 0)?;
+    let normed = kernels::rms_norm::<T>(&hidden, &model.final_norm, eps)?;
+    let mut logps = Vec::with_capacity(targets.len());
+    let mut d_normed = Vec::new();
+    for start in (0..targets.len()).step_by(HEAD_CHUNK_ROWS) {
+        let len = HEAD_CHUNK_ROWS.min(targets.len() - start);
+        let logits = normed.narrow(0, start, len)?.matmul(&model.lm_head.t()?)?;
+        let (lp, d_logits) =
+            kernels::target_logprob_grad::<T>(&logits, &targets[start..start + len], |i, lp| {
+                dloss(start + i, lp)
+            })?;
+        logps.extend(lp);
+        d_normed.push(d_logits.matmul(&model.lm_head)?);
+    }
+    if d_normed.is_empty() {
+        return Ok((logps, top.zeros_like()?));
+    }
+    let d_normed = Tensor::cat(&d_normed, 0)?;
+    let d_hidden =
+        kernels::rms_norm_backward::<T>(&hidden, &model.final_norm, eps, &d_normed, None)?;
+    Ok((logps, top.zeros_like()?.index_add(index, &d_hidden, 0)?))
+}
+
+/// Backpropagates `grad` (∂loss/∂ last block's output, `[rows·n, hidden]`)
+/// through every block, adding the factor gradients to `grads`.
+pub fn backward(
+    model: &Llama,
+    lora: &SegmentLora,
+    tape: Tape,
+    grad: Tensor,
+    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+) -> Result<()> {
+    match grad.dtype() {
+        DType::F32 => backward_as::<f32>(model, lora, tape, grad, grads),
+        DType::F64 => backward_as::<f64>(model, lora, tape, grad, grads),
+        other => Err(candle_core::Error::Msg(format!("train step in {other:?}")).into()),
+    }
+}
+
+fn backward_as<T: Real>(
+    model: &Llama,
+    lora: &SegmentLora,
+    tape: Tape,
+    mut grad: Tensor,
+    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+) -> Result<()> {
+    let Tape { mut saved, ctx } = tape;
+    let Some(first) = saved.first() else {
+        return Ok(());
+    };
+    let (rows, _, n, _) = first.q.dims4()?;
+    let pass = Pass {
+        model,
+        lora,
+        ctx: &ctx,
+        rows,
+        n,
+    };
+    while let Some(s) = saved.pop() {
+        let layer = saved.len();
+        match pass.block_backward::<T>(layer, s, &grad, grads)? {
+            Some(dx) => grad = dx,
+            None => break,
+        }
+    }
+    Ok(())
+}
+
+impl Pass<'_> {
+    fn heads(&self, heads: usize) -> Heads {
+        Heads {
+            rows: self.rows,
+            n: self.n,
+            heads,
+            head_dim: self.model.config.head_dim,
+        }
+    }
+
+    /// `1/√head_dim`, applied to the scores inside the softmax.
+    fn score_scale(&self) -> f64 {
+        1.0 / (self.model.config.head_dim as f64).sqrt()
+    }
+
+    /// Query heads folded per KV head: `[rows, kv_heads, group·n, head_dim]`,
+    /// so one matmul serves each group without copying K and V.
+    fn grouped(&self, q: &Tensor) -> Result<Tensor> {
+        let cfg = &self.model.config;
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        Ok(q.reshape((self.rows, cfg.num_kv_heads, group * self.n, cfg.head_dim))?)
+    }
+
+    /// Attention probabilities `[rows, kv_heads, group·n, n]`.
+    fn probs<T: Real>(&self, q: &Tensor, k: &Tensor) -> Result<Tensor> {
+        let scores = self.grouped(q)?.matmul(&k.t()?)?;
+        Ok(kernels::masked_softmax::<T>(
+            &scores,
+            &self.ctx.mask,
+            self.score_scale(),
+        )?)
+    }
+
+    /// `[rows, n, heads·hd]` flattened to tokens ↔ `[rows, heads, n, hd]`.
+    fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
+        let hd = self.model.config.head_dim;
+        Ok(t.reshape((self.rows, self.n, heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    }
+
+    fn merge_heads(&self, t: &Tensor) -> Result<Tensor> {
+        let (rows, heads, n, hd) = t.dims4()?;
+        Ok(t.transpose(1, 2)?
+            .contiguous()?
+            .reshape((rows * n, heads * hd))?)
+    }
+
+    fn block_forward<T: Real>(&self, layer: usize, x: Tensor) -> Result<(Tensor, Saved)> {
+        let cfg = &self.model.config;
+        let block = &self.model.blocks[layer];
+        let (cos, sin) = (&self.ctx.cos, &self.ctx.sin);
+        let mut shrunk = BTreeMap::new();
+        let mut project = |target: Target, x: &Tensor| -> Result<Tensor> {
+            let key = ModuleKey { layer, target };
+            let (y, u) = self.lora.project::<T>(key, block.linear(target), x)?;
+            shrunk.insert(target, u);
+            Ok(y)
+        };
+        let a = kernels::rms_norm::<T>(&x, &block.attn_norm, cfg.rms_norm_eps)?;
+        let q = project(Target::Q, &a)?;
+        let q = kernels::rope_heads::<T>(&q, cos, sin, self.heads(cfg.num_heads))?;
+        let k = project(Target::K, &a)?;
+        let k = kernels::rope_heads::<T>(&k, cos, sin, self.heads(cfg.num_kv_heads))?;
+        let v = self.split_heads(&project(Target::V, &a)?, cfg.num_kv_heads)?;
+        let out = self.probs::<T>(&q, &k)?.matmul(&v)?;
+        let attn = self.merge_heads(&out.reshape(q.dims())?)?;
+        let x2 = (&x + project(Target::O, &attn)?)?;
+        let m = kernels::rms_norm::<T>(&x2, &block.mlp_norm, cfg.rms_norm_eps)?;
+        let gate = project(Target::Gate, &m)?;
+        let up = project(Target::Up, &m)?;
+        let y = (&x2 + project(Target::Down, &kernels::swiglu::<T>(&gate, &up)?)?)?;
+        let saved = Saved {
+            x,
+            a,
+            q,
+            k,
+            v,
+            attn,
+            x2,
+            m,
+            gate,
+            up,
+            shrunk,
+        };
+        Ok((y, saved))
+    }
+
+    /// ∂loss/∂ block input given `dy` = ∂loss/∂ block output, after adding
+    /// the block's factor gradients to `grads`; `None` for the first block.
+    fn block_backward<T: Real>(
+        &self,
+        layer: usize,
+        s: Saved,
+        dy: &Tensor,
+        grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    ) -> Result<Option<Tensor>> {
+        let cfg = &self.model.config;
+        let block = &self.model.blocks[layer];
+        let (cos, sin) = (&self.ctx.cos, &self.ctx.sin);
+        let eps = cfg.rms_norm_eps;
+        // Factor gradients of `target`, then ∂ of its input.
+        let mut back = |target: Target, x: &Tensor, dy: &Tensor| -> Result<Tensor> {
+            let key = ModuleKey { layer, target };
+            let parts = self
+                .lora
+                .factor_grads(key, x, &s.shrunk[&target], dy, grads)?;
+            let dx = dy.matmul(&block.linear(target).weight)?;
+            Ok(kernels::add_rows::<T>(&dx, &parts)?)
+        };
+
+        let d_swiglu = back(Target::Down, &kernels::swiglu::<T>(&s.gate, &s.up)?, dy)?;
+        let (d_gate, d_up) = kernels::swiglu_backward::<T>(&s.gate, &s.up, &d_swiglu)?;
+        let dm = (back(Target::Gate, &s.m, &d_gate)? + back(Target::Up, &s.m, &d_up)?)?;
+        let dx2 = kernels::rms_norm_backward::<T>(&s.x2, &block.mlp_norm, eps, &dm, Some(dy))?;
+
+        let d_out =
+            self.grouped(&self.split_heads(&back(Target::O, &s.attn, &dx2)?, cfg.num_heads)?)?;
+        let p = self.probs::<T>(&s.q, &s.k)?;
+        let dv = p.t()?.matmul(&d_out)?;
+        let d_scores = kernels::masked_softmax_backward::<T>(
+            &p,
+            &d_out.matmul(&s.v.t()?)?,
+            self.score_scale(),
+        )?;
+        let dq = d_scores.matmul(&s.k)?.reshape(s.q.dims())?;
+        let dk = d_scores.t()?.matmul(&self.grouped(&s.q)?)?;
+        let dq = kernels::rope_heads_backward::<T>(&dq, cos, sin, self.heads(cfg.num_heads))?;
+        let dk = kernels::rope_heads_backward::<T>(&dk, cos, sin, self.heads(cfg.num_kv_heads))?;
+        let dv = self.merge_heads(&dv)?;
+
+        if layer == 0 {
+            // The embeddings are frozen: only the factors need these gradients.
+            for (target, d) in [(Target::Q, &dq), (Target::K, &dk), (Target::V, &dv)] {
+                let key = ModuleKey { layer, target };
+                self.lora
+                    .factor_grads(key, &s.a, &s.shrunk[&target], d, grads)?;
+            }
+            return Ok(None);
+        }
+        let da = ((back(Target::Q, &s.a, &dq)? + back(Target::K, &s.a, &dk)?)?
+            + back(Target::V, &s.a, &dv)?)?;
+        let dx = kernels::rms_norm_backward::<T>(&s.x, &block.attn_norm, eps, &da, Some(&dx2))?;
+        Ok(Some(dx))
+    }
+}
