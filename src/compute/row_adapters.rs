@@ -19,7 +19,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Tensor, D};
+
+use super::kernels;
 
 use crate::base::{LoraHook, ModelConfig};
 use crate::lora::{Adapter, ModuleKey, Target};
@@ -189,6 +191,22 @@ impl RowAdapters {
         shrunk.matmul(&f.b_t)
     }
 
+    /// `Δ` of a decode step (one token per row, no gradient) in one fused pass.
+    fn decode_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (rows, _, in_dim) = x.dims3()?;
+        let x = x.reshape((rows, in_dim))?.contiguous()?;
+        let slots: Vec<Option<usize>> = self
+            .segments
+            .iter()
+            .flat_map(|seg| std::iter::repeat_n(seg.slot, seg.rows))
+            .collect();
+        match x.dtype() {
+            DType::F32 => kernels::row_lora::<f32>(&x, &f.a_t, &f.b_t, &slots, self.rank),
+            DType::F64 => kernels::row_lora::<f64>(&x, &f.a_t, &f.b_t, &slots, self.rank),
+            _ => self.masked_delta(f, &x.unsqueeze(1)?),
+        }
+    }
+
     /// `Δ` one segment at a time: each run of rows against its own adapter's
     /// factors only (rows are grouped by adapter by every caller).
     fn segmented_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -297,12 +315,13 @@ impl LoraHook for RowAdapters {
             return Ok(None);
         };
         let (rows, tokens, _) = x.dims3()?;
-        let out =
-            if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
-                self.segmented_delta(f, x)?
-            } else {
-                self.masked_delta(f, x)?
-            };
+        let out = if tokens == 1 && !x.track_op() && x.device().is_cpu() {
+            self.decode_delta(f, x)?
+        } else if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
+            self.segmented_delta(f, x)?
+        } else {
+            self.masked_delta(f, x)?
+        };
         Ok(Some(out.reshape((rows, tokens, out.dim(D::Minus1)?))?))
     }
 }
@@ -355,6 +374,20 @@ mod tests {
             .unwrap();
         assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
         assert_eq!(hook.segments.len(), 3);
+        // A decode step's fused pass agrees too (one token per row, no gradient).
+        let one = x.as_tensor().narrow(1, 0, 1).unwrap().detach();
+        let fused = hook.decode_delta(factors, &one).unwrap();
+        let plain = hook.masked_delta(factors, &one).unwrap();
+        let diff = (&fused - &plain).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
+        let none_row = fused
+            .narrow(0, 2, 1)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
+        assert_eq!(none_row.to_scalar::<f32>().unwrap(), 0.0);
 
         let weights = Tensor::randn(0f32, 1.0, masked.dims(), &Device::Cpu).unwrap();
         let grads = |d: &Tensor| {
