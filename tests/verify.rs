@@ -750,3 +750,48 @@ fn an_oversized_result_is_an_output_limit() {
         started.elapsed()
     );
 }
+
+/// A child that writes deeply nested JSON to its result pipe makes json.loads
+/// raise RecursionError (not ValueError): that is a malformed result, status
+/// `Crashed` for this program, not a zygote failure (which would replace the
+/// zygote and run the program again); the same zygote serves the next program.
+#[test]
+fn a_deeply_nested_result_is_malformed_not_a_zygote_failure() {
+    let _guard = serial();
+    let pool = pool(1);
+    // HumanEval jobs have no AST filter: the module body finds the result pipe
+    // (the only FIFO above fd 2), fills it and exits before the trusted code reports.
+    let nested = humaneval(
+        "import os\ndeep = b'[' * 100000 + b']' * 100000\nfor fd in range(3, 64):\n    try:\n        if os.fstat(fd).st_mode & 0o170000 == 0o010000:\n            os.write(fd, deep)\n    except OSError:\n        pass\nos._exit(0)\ndef candidate_fn():\n    return 0",
+        "def check(candidate):\n    assert candidate() == 0\n",
+    );
+    let honest = proposal(
+        "def f(a, k):\n    return sorted(a, reverse=True)[:k]",
+        "[3, 9, 4, 1], 2",
+    );
+    for round in 0..3 {
+        let outcome = pool.run(&nested).unwrap_or_else(|e| {
+            panic!("round {round}: the sandbox failed instead of the program: {e}")
+        });
+        let Outcome::Check(judgement) = outcome else {
+            panic!("round {round}: {outcome:?}")
+        };
+        assert_eq!(
+            judgement.status,
+            Status::Crashed,
+            "round {round}: {judgement:?}"
+        );
+        assert!(
+            judgement.reason.contains("malformed result"),
+            "round {round}: {judgement:?}"
+        );
+        match pool.run(&honest).unwrap() {
+            Outcome::Proposal(v) => {
+                assert_eq!(v.status, Status::Ok, "round {round}: {v:?}");
+                assert_eq!(v.output.as_deref(), Some("[9, 4]"), "round {round}: {v:?}");
+            }
+            other => panic!("round {round}: {other:?}"),
+        }
+    }
+    assert_no_sandbox_processes(pool.config().unprivileged_uid);
+}

@@ -18,6 +18,8 @@ import ctypes
 import fcntl
 import gc
 import json
+import json.encoder
+import json.scanner
 import os
 import select
 import resource
@@ -31,11 +33,15 @@ import time
 
 # Modules a program may import without paying the import in every child (and
 # without the unprivileged child needing to read the standard library).
+# Not `statistics`: it imports `random`, whose fork hook reseeds the generator
+# in every child (a getrandom call and a Python-level seed()); measured ~7 %
+# of throughput. A program that imports statistics loads it in its own child
+# (~3 ms more for that program).
 PRELOAD = (
     "math", "cmath", "collections", "collections.abc", "itertools", "functools",
     "heapq", "bisect", "re", "string", "typing", "fractions", "decimal",
     "operator", "copy", "dataclasses", "enum", "numbers", "array", "textwrap",
-    "unicodedata", "statistics",
+    "unicodedata",
 )
 
 # AZR's banned imports plus everything that reaches the OS or the interpreter.
@@ -96,16 +102,34 @@ def read_exact(fd, n):
     return bytes(buf)
 
 
+# JSON through the C scanner and encoder, each made once: json.loads and
+# json.dumps run Python-level code and build a new decoder or encoder object on
+# every call, touching objects all over the shared heap (each touched page is a
+# copy-on-write fault after a fork). Only for what we wrote ourselves: a
+# child's result, which could be anything, goes through json.loads.
+SCAN_JSON = json.scanner.make_scanner(json.JSONDecoder())
+ENCODE_JSON = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
+    None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None,
+    ": ", ", ", False, False, True)
+
+
+def to_json(obj):
+    """json.dumps(obj) for a dict of plain values built by us (no circular check)."""
+    if ENCODE_JSON is None:  # an interpreter without the C accelerator
+        return json.dumps(obj)
+    return "".join(ENCODE_JSON(obj, 0))
+
+
 def read_msg(fd):
     head = read_exact(fd, 4)
     if head is None:
         return None
     body = read_exact(fd, struct.unpack(">I", head)[0])
-    return None if body is None else json.loads(body)
+    return None if body is None else SCAN_JSON(body.decode(), 0)[0]
 
 
 def write_msg(fd, obj):
-    body = json.dumps(obj).encode()
+    body = to_json(obj).encode()
     data = struct.pack(">I", len(body)) + body
     while data:
         data = data[os.write(fd, data):]
@@ -542,7 +566,67 @@ def warm_up():
     to a shared page is a copy-on-write fault: the largest part of a job's cost."""
     for _ in range(WARM_UP_ROUNDS):
         for job in WARM_UP_JOBS:
-            json.dumps(run_job(job))
+            to_json(run_job(job))
+
+
+# What fill_free_blocks allocated, alive as long as the zygote.
+BLOCK_FILLERS = []
+
+
+def fill_free_blocks():
+    """Occupy every free block of CPython's small-object allocator with an
+    object kept forever, just before gc.freeze(). Startup and warm-up leave
+    free blocks scattered over many pages of the shared heap, and new objects
+    go there first: every page a child allocates into is one more
+    copy-on-write fault (and the zygote's own per-job objects land there too).
+    With the old pools full, new objects fill fresh pools, a few contiguous
+    pages. Measured: 80 fewer page faults per job (of ~630)."""
+    for size, free in free_small_blocks().items():
+        make = block_maker(size)
+        if make is not None:
+            BLOCK_FILLERS.extend(make() for _ in range(free))
+
+
+def block_maker(size):
+    """A function returning a new object of exactly `size` bytes (on 64-bit
+    CPython), or None for a size class left unfilled."""
+    if size == 16:
+        return object
+    if size == 32:
+        return lambda big=1 << 30: big + 1  # an int of two 30-bit digits
+    if size >= 48:
+        return lambda: bytes(size - 33)  # a bytes object has a 33-byte header
+    return None
+
+
+def free_small_blocks():
+    """{block size: free blocks} of the small-object allocator, parsed from
+    sys._debugmallocstats (CPython), which prints to the C-level stderr: fd 2
+    points at a memfd for the call. {} where either is unavailable."""
+    stats = getattr(sys, "_debugmallocstats", None)
+    if stats is None:
+        return {}
+    try:
+        out = os.memfd_create("mallocstats")
+    except OSError:
+        return {}
+    with os.fdopen(out, "rb") as fh:
+        saved = os.dup(2)
+        try:
+            os.dup2(out, 2)
+            stats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        fh.seek(0)
+        text = fh.read().decode("ascii", "replace")
+    free = {}
+    for line in text.splitlines():
+        cols = line.split()
+        # Rows of the size-class table: class, size, pools, blocks in use, free blocks.
+        if len(cols) == 5 and all(c.isdigit() for c in cols):
+            free[int(cols[1])] = int(cols[4])
+    return free
 
 
 def run_job(job):
@@ -598,11 +682,11 @@ def child_main(st, job, limits, work, out_w, err_w, res_w):
         sys.stderr.flush()
     except BaseException:
         pass
-    data = json.dumps(result).encode()
+    data = to_json(result).encode()
     if len(data) > RESULT_CAP:
         # The result pipe holds RESULT_CAP bytes and nobody reads it before we exit.
-        data = json.dumps({"status": "output_limit",
-                           "reason": "result exceeded %d bytes" % RESULT_CAP}).encode()
+        data = to_json({"status": "output_limit",
+                        "reason": "result exceeded %d bytes" % RESULT_CAP}).encode()
     while data:
         data = data[os.write(res_w, data):]
     os._exit(0)
@@ -627,10 +711,13 @@ def kill_descendants(st, pid):
     child's wait status."""
     status = None
     if st.pidns:
-        # pid 1 of the namespace: kill(-1) reaches every other process in it.
+        # pid 1 of the namespace: kill(-1) reaches every other process in it,
+        # zombies included; ESRCH means none is left, so nothing to reap.
         while True:
             try:
                 os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                return status
             except OSError:
                 pass
             try:
@@ -785,6 +872,15 @@ STATUSES = frozenset((
     "output_limit", "non_deterministic", "mismatch", "crashed",
 ))
 FEATURES = ("ast_nodes", "max_depth", "node_types", "cyclomatic")
+# Optional fields of a child's result and their expected types.
+RESULT_CHECKS = {
+    "reason": lambda v: isinstance(v, str),
+    "function": lambda v: isinstance(v, str),
+    "outputs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "equal": lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v),
+    "features": lambda v: isinstance(v, dict) and sorted(v) == sorted(FEATURES)
+    and all(type(v[k]) is int and v[k] >= 0 for k in FEATURES),
+}
 
 
 def well_formed(result):
@@ -797,15 +893,7 @@ def well_formed(result):
     if not isinstance(raw, dict) or raw.get("status") not in STATUSES:
         return None
     reply = {"status": raw["status"]}
-    checks = {
-        "reason": lambda v: isinstance(v, str),
-        "function": lambda v: isinstance(v, str),
-        "outputs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-        "equal": lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v),
-        "features": lambda v: isinstance(v, dict) and sorted(v) == sorted(FEATURES)
-        and all(type(v[k]) is int and v[k] >= 0 for k in FEATURES),
-    }
-    for key, ok in checks.items():
+    for key, ok in RESULT_CHECKS.items():
         if key in raw:
             if not ok(raw[key]):
                 return None
@@ -852,6 +940,7 @@ def main():
         return
     warm_up()
     gc.collect()
+    fill_free_blocks()
     gc.freeze()
     write_msg(proto_out, {"hello": True, "layers": st.layers})
     while True:
