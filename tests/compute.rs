@@ -9,7 +9,7 @@ use populora::compute::{
     self, AdapterSet, GenRequest, RowAdapters, Sampling, ScoreRow, TrainConfig, TrainRow,
 };
 use populora::keyed_stream;
-use populora::lora::{Adapter, LoraConfig, LoraModule};
+use populora::lora::{Adapter, LoraConfig, LoraModule, Target};
 use rand::Rng;
 
 fn tiny_model() -> Llama {
@@ -23,6 +23,10 @@ fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
         alpha: 4.0,
         ..LoraConfig::default()
     };
+    random_adapter_with(config, model, seed, dtype)
+}
+
+fn random_adapter_with(config: LoraConfig, model: &Llama, seed: u64, dtype: DType) -> Adapter {
     let mut rng = keyed_stream!(seed, "adapter");
     let mut adapter = Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap();
     for m in adapter.modules.values_mut() {
@@ -254,7 +258,9 @@ fn logprobs_match_generation_logprobs_and_respect_micro_batching() {
 }
 
 /// d(PPO loss)/d(A, B) of every target module of two adapters sharing one
-/// batch, analytic vs central finite differences in f64.
+/// batch, analytic vs central finite differences in f64. The adapters differ
+/// in rank and targets; the first micro-batch holds both (two segments), the
+/// second only one (accumulation across micro-batches).
 #[test]
 fn train_step_gradients_match_finite_differences_for_every_factor() {
     let spec = TinySpec {
@@ -267,9 +273,15 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
         ..TinySpec::default()
     };
     let model = tiny::build(&spec).unwrap().0.to_dtype(DType::F64).unwrap();
+    let partial = LoraConfig {
+        rank: 3,
+        alpha: 4.0,
+        targets: vec![Target::Q, Target::V, Target::Gate, Target::Down],
+        ..LoraConfig::default()
+    };
     let adapters = [
         random_adapter(&model, 30, DType::F64),
-        random_adapter(&model, 31, DType::F64),
+        random_adapter_with(partial, &model, 31, DType::F64),
     ];
     let set = AdapterSet::new()
         .with(0, &adapters[0])
@@ -311,9 +323,10 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
             r
         })
         .collect();
+    // Rows by adapter: lengths [7, 4 | 5, 6] → micro-batches [7, 4, 5] and [6].
     let config = TrainConfig {
         clip: 0.2,
-        token_budget: 16,
+        token_budget: 21,
     };
     let out = compute::train_step(&model, &set, &rows, config).unwrap();
     // The train step's own forward agrees with scoring: every ratio is

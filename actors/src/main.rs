@@ -78,7 +78,9 @@ fn main() {
 /// candle looks up its thread count before every matmul and, unless
 /// RAYON_NUM_THREADS is set, parses /proc/cpuinfo to do it (≈ 20 ms of each
 /// SmolLM2 decode step went there). Settled once here, while the process has
-/// one thread, to the value candle would find.
+/// one thread, to the value candle would find (physical cores). rayon's global
+/// pool, which the engine's own kernels use, then has that size too, instead of
+/// one thread per logical CPU.
 fn settle_thread_count() {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let threads = candle_core::utils::get_num_threads();

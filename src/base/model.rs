@@ -332,18 +332,6 @@ impl Llama {
         })
     }
 
-    /// Block `layer` alone, without a KV cache: `[rows, new, hidden]` in and out
-    /// (the unit that activation checkpointing recomputes).
-    pub fn block(
-        &self,
-        layer: usize,
-        h: &Tensor,
-        shared: &BlockContext,
-        lora: &dyn LoraHook,
-    ) -> Result<Tensor> {
-        self.block_forward(layer, &self.blocks[layer], h, shared, None, lora)
-    }
-
     /// Final norm and LM head: `[..., hidden]` → `[..., vocab]`.
     pub fn head(&self, h: &Tensor) -> Result<Tensor> {
         let h = rms_norm(h, &self.final_norm, self.config.rms_norm_eps)?;
@@ -434,8 +422,9 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
 }
 
 /// RMSNorm: `x / √(mean(x²) + ε) · w`. candle's fused kernels (here and in
-/// [`rope`]) have no backward, so they serve only passes that
-/// record no gradient (generation); training uses the plain-op form.
+/// [`rope`]) have no backward, so they serve only passes that record no
+/// gradient; the plain-op form keeps this forward differentiable (the train
+/// step has its own kernels and backward, `compute::tape`).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if !x.track_op() && !weight.track_op() && x.dtype() == DType::F32 {
         return Ok(candle_nn::ops::rms_norm(

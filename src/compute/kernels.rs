@@ -77,6 +77,14 @@ fn last_dim(t: &Tensor) -> Result<usize> {
         .ok_or_else(|| candle_core::Error::Msg(format!("kernel input {:?} is empty", t.shape())))
 }
 
+/// An error unless `what` has `expected` values.
+fn check_len(what: &str, actual: usize, expected: usize) -> Result<()> {
+    if actual != expected {
+        bail!("kernel input {what}: {actual} values, expected {expected}")
+    }
+    Ok(())
+}
+
 /// `1 / √(mean(x²) + ε)` of one row.
 fn inverse_rms<T: Real>(x: &[T], eps: f64) -> T {
     let sum = x.iter().fold(T::ZERO, |s, &v| s + v * v);
@@ -88,6 +96,7 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let d = last_dim(x)?;
     let (xv, wv) = (View::of(x)?, View::of(w)?);
     let (xs, ws) = (xv.values::<T>()?, wv.values::<T>()?);
+    check_len("RMSNorm weight", ws.len(), d)?;
     let mut out = vec![T::ZERO; xs.len()];
     out.par_chunks_mut(d)
         .zip(xs.par_chunks(d))
@@ -112,10 +121,13 @@ pub fn rms_norm_backward<T: Real>(
     let d = last_dim(x)?;
     let (xv, wv, gv) = (View::of(x)?, View::of(w)?, View::of(g)?);
     let (xs, ws, gs) = (xv.values::<T>()?, wv.values::<T>()?, gv.values::<T>()?);
+    check_len("RMSNorm weight", ws.len(), d)?;
+    check_len("RMSNorm gradient", gs.len(), xs.len())?;
     let mut out = match residual {
         Some(r) => View::of(r)?.values::<T>()?.to_vec(),
         None => vec![T::ZERO; xs.len()],
     };
+    check_len("RMSNorm residual", out.len(), xs.len())?;
     let n = T::from_f64(d as f64);
     out.par_chunks_mut(d)
         .zip(xs.par_chunks(d).zip(gs.par_chunks(d)))
@@ -144,6 +156,24 @@ pub struct Heads {
     pub head_dim: usize,
 }
 
+impl Heads {
+    /// An error unless `x` holds every head of every token and `cos`/`sin`
+    /// one half head per token.
+    fn check<T: Real>(&self, x: &[T], cos: &[T], sin: &[T]) -> Result<()> {
+        let tokens = self.rows * self.n;
+        if self.head_dim == 0 || self.head_dim % 2 == 1 || self.heads == 0 || tokens == 0 {
+            bail!("RoPE: bad shape {self:?}")
+        }
+        check_len(
+            "RoPE projection",
+            x.len(),
+            tokens * self.heads * self.head_dim,
+        )?;
+        check_len("RoPE cos", cos.len(), tokens * self.head_dim / 2)?;
+        check_len("RoPE sin", sin.len(), tokens * self.head_dim / 2)
+    }
+}
+
 /// HF ("rotate half") RoPE of a projection `[rows·n, heads·hd]`, written out
 /// head-major as `[rows, heads, n, hd]` (the split-heads transpose in the same
 /// pass). `cos`/`sin`: `[rows, 1, n, hd/2]`.
@@ -151,6 +181,7 @@ pub fn rope_heads<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, s: Heads) -> 
     let (hd, half) = (s.head_dim, s.head_dim / 2);
     let (xv, cv, sv) = (View::of(x)?, View::of(cos)?, View::of(sin)?);
     let (xs, cs, ss) = (xv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
+    s.check(xs, cs, ss)?;
     let mut out = vec![T::ZERO; xs.len()];
     // One chunk per (row, head): n·hd output values.
     out.par_chunks_mut(s.n * hd)
@@ -182,6 +213,7 @@ pub fn rope_heads_backward<T: Real>(
     let (hd, half) = (s.head_dim, s.head_dim / 2);
     let (gv, cv, sv) = (View::of(g)?, View::of(cos)?, View::of(sin)?);
     let (gs, cs, ss) = (gv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
+    s.check(gs, cs, ss)?;
     let mut out = vec![T::ZERO; gs.len()];
     // One chunk per token (row, i): heads·hd output values.
     out.par_chunks_mut(s.heads * hd)
@@ -207,10 +239,19 @@ pub fn rope_heads_backward<T: Real>(
 /// mask `[rows, 1, n, slots]` shared by every head of a row.
 pub fn masked_softmax<T: Real>(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
     let slots = last_dim(scores)?;
-    let (rows, _, n, _) = mask.dims4()?;
-    let per_row = scores.elem_count() / rows;
+    let (rows, _, n, mask_slots) = mask.dims4()?;
+    let per_row = scores.elem_count() / rows.max(1);
+    if rows == 0 || n == 0 || mask_slots != slots || !per_row.is_multiple_of(n * slots) {
+        bail!(
+            "masked softmax: scores {:?}, mask {:?}",
+            scores.shape(),
+            mask.shape()
+        )
+    }
     let (sv, mv) = (View::of(scores)?, View::of(mask)?);
     let (ss, ms) = (sv.values::<T>()?, mv.values::<T>()?);
+    check_len("scores", ss.len(), rows * per_row)?;
+    check_len("mask", ms.len(), rows * n * slots)?;
     let scale = T::from_f64(scale);
     let mut out = vec![T::ZERO; ss.len()];
     out.par_chunks_mut(slots)
@@ -240,6 +281,7 @@ pub fn masked_softmax_backward<T: Real>(p: &Tensor, g: &Tensor, scale: f64) -> R
     let slots = last_dim(p)?;
     let (pv, gv) = (View::of(p)?, View::of(g)?);
     let (ps, gs) = (pv.values::<T>()?, gv.values::<T>()?);
+    check_len("softmax gradient", gs.len(), ps.len())?;
     let scale = T::from_f64(scale);
     let mut out = vec![T::ZERO; ps.len()];
     out.par_chunks_mut(slots)
@@ -315,7 +357,9 @@ pub fn row_lora<T: Real>(
     let (a_in, width) = a_t.dims2()?;
     let (b_width, out_dim) = b_t.dims2()?;
     let fits = |s: &Option<usize>| s.is_none_or(|s| (s + 1) * rank <= width);
-    if rows != slots.len() || a_in != in_dim || b_width != width || !slots.iter().all(fits) {
+    let empty = in_dim == 0 || out_dim == 0 || rank == 0;
+    if empty || rows != slots.len() || a_in != in_dim || b_width != width || !slots.iter().all(fits)
+    {
         bail!(
             "row_lora: x {:?}, A {:?}, B {:?}, {} slots of rank {rank}",
             x.shape(),
@@ -346,7 +390,7 @@ pub fn row_lora<T: Real>(
     tensor(out, (rows, out_dim))
 }
 
-/// Rows per parallel task of the elementwise kernels below.
+/// Values per parallel task of the elementwise kernels below.
 const CHUNK: usize = 4096;
 
 fn sigmoid<T: Real>(x: T) -> T {
@@ -357,6 +401,7 @@ fn sigmoid<T: Real>(x: T) -> T {
 pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (gv, uv) = (View::of(gate)?, View::of(up)?);
     let (gs, us) = (gv.values::<T>()?, uv.values::<T>()?);
+    check_len("SwiGLU up", us.len(), gs.len())?;
     let mut out = vec![T::ZERO; gs.len()];
     out.par_chunks_mut(CHUNK)
         .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)))
@@ -377,6 +422,8 @@ pub fn swiglu_backward<T: Real>(
 ) -> Result<(Tensor, Tensor)> {
     let (gv, uv, dv) = (View::of(gate)?, View::of(up)?, View::of(d)?);
     let (gs, us, ds) = (gv.values::<T>()?, uv.values::<T>()?, dv.values::<T>()?);
+    check_len("SwiGLU up", us.len(), gs.len())?;
+    check_len("SwiGLU gradient", ds.len(), gs.len())?;
     let mut d_gate = vec![T::ZERO; gs.len()];
     let mut d_up = vec![T::ZERO; gs.len()];
     d_gate

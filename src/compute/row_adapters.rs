@@ -12,10 +12,12 @@
 //! adapter's factors.
 //!
 //! The mask costs n times the shrink and expand FLOPs. That is nothing for a
-//! decode step (one token per row) but not for prefill or training, where
-//! hundreds of tokens per row make even rank-8 GEMMs efficient: there each run
-//! of rows sharing an adapter (SGMV's segments) is shrunk and expanded with
-//! its own factors only.
+//! few tokens per row but not for prefill, where hundreds of tokens per row
+//! make even rank-8 GEMMs efficient: there each run of rows sharing an adapter
+//! (SGMV's segments) is shrunk and expanded with its own factors only. A decode
+//! step without gradient (one token per row) skips both for one fused pass
+//! ([`kernels::row_lora`]). The train step does not use this hook: it has its
+//! own per-segment LoRA with a hand-written backward (`tape::SegmentLora`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -96,8 +98,8 @@ struct Segment {
 }
 
 /// Below this many tokens per segment the one masked GEMM pair beats a GEMM
-/// pair per segment (decode steps); above it, segments do n times fewer FLOPs
-/// (prefill, scoring, training). Default 64.
+/// pair per segment; above it, segments do n times fewer FLOPs (prefill,
+/// scoring). Default 64.
 const MIN_SEGMENT_TOKENS: usize = 64;
 
 /// The per-row adapter assignment of a batch.
@@ -315,7 +317,8 @@ impl LoraHook for RowAdapters {
             return Ok(None);
         };
         let (rows, tokens, _) = x.dims3()?;
-        let out = if tokens == 1 && !x.track_op() && x.device().is_cpu() {
+        let no_grad = !x.track_op() && !f.a_t.track_op() && !f.b_t.track_op();
+        let out = if tokens == 1 && no_grad && x.device().is_cpu() {
             self.decode_delta(f, x)?
         } else if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
             self.segmented_delta(f, x)?
@@ -388,6 +391,9 @@ mod tests {
             .max_all()
             .unwrap();
         assert_eq!(none_row.to_scalar::<f32>().unwrap(), 0.0);
+        // With trainable factors the hook keeps the graph, even for one token per row.
+        let tracked = hook.delta(key.layer, key.target, &one).unwrap().unwrap();
+        assert!(tracked.track_op());
 
         let weights = Tensor::randn(0f32, 1.0, masked.dims(), &Device::Cpu).unwrap();
         let grads = |d: &Tensor| {

@@ -39,7 +39,7 @@ use crate::lora::{Adapter, AdapterGrads, ModuleKey, Target};
 
 /// Rows of a micro-batch that share one adapter, as token rows
 /// `start..start + len` of the flattened `[rows·n, hidden]` activations.
-struct Segment<'a> {
+struct TokenSegment<'a> {
     start: usize,
     len: usize,
     id: AdapterId,
@@ -55,21 +55,21 @@ struct Factors {
 
 /// The LoRA of a micro-batch whose rows are grouped by adapter.
 pub struct SegmentLora<'a> {
-    segments: Vec<Segment<'a>>,
+    segments: Vec<TokenSegment<'a>>,
     /// By (segment index, module).
     factors: BTreeMap<(usize, ModuleKey), Factors>,
 }
 
 impl<'a> SegmentLora<'a> {
     /// `rows[i]` is the adapter of row `i` (rows sharing one are adjacent),
-    /// each row `n` tokens long.
+    /// each row `n` tokens long; a row without one gets no delta.
     pub fn new(set: &AdapterSet<'a>, rows: &[Option<AdapterId>], n: usize) -> Result<Self> {
-        let mut segments: Vec<Segment> = Vec::new();
+        let mut segments: Vec<TokenSegment> = Vec::new();
         for (row, &adapter) in rows.iter().enumerate() {
             let Some(id) = adapter else { continue };
             match segments.last_mut() {
                 Some(last) if last.id == id && last.start + last.len == row * n => last.len += n,
-                _ => segments.push(Segment {
+                _ => segments.push(TokenSegment {
                     start: row * n,
                     len: n,
                     id,
@@ -240,8 +240,8 @@ fn forward_as<T: Real>(
     Ok((Tape { saved, ctx }, h))
 }
 
-/// Scored rows per chunk of the LM head (default 256: a `[256, 49152]` f32
-/// logits block is 50 MB).
+/// Scored rows per chunk of the LM head (256: a `[256, 49152]` f32 logits
+/// block is 50 MB).
 const HEAD_CHUNK_ROWS: usize = 256;
 
 /// The log-probabilities of `targets` at rows `index` of the last block's

@@ -36,7 +36,8 @@ import time
 # Not `statistics`: it imports `random`, whose fork hook reseeds the generator
 # in every child (a getrandom call and a Python-level seed()); measured ~7 %
 # of throughput. A program that imports statistics loads it in its own child
-# (~3 ms more for that program).
+# (~3 ms more for that program; the unprivileged child must then be able to
+# read the standard library, as with the system python3).
 PRELOAD = (
     "math", "cmath", "collections", "collections.abc", "itertools", "functools",
     "heapq", "bisect", "re", "string", "typing", "fractions", "decimal",
