@@ -39,6 +39,28 @@ impl Real for f64 {
     }
 }
 
+/// Evaluates `$body` with the type `$t` bound to the [`Real`] of `$dtype`
+/// (f32 or f64), or returns an error naming any other dtype.
+macro_rules! with_real {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            other => Err(candle_core::Error::Msg(format!(
+                "the train step runs in f32 or f64, not {other:?}"
+            ))
+            .into()),
+        }
+    };
+}
+pub(crate) use with_real;
+
 /// A read lock on a contiguous CPU tensor's values.
 struct View<'a> {
     storage: StorageRef<'a>,

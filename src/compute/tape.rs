@@ -29,7 +29,7 @@
 use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::kernels::{self, Heads, Real};
 use super::row_adapters::{AdapterId, AdapterSet};
@@ -202,20 +202,7 @@ struct Pass<'a> {
 
 /// Runs the blocks on `embeds` (`[rows, n, hidden]`), saving what the
 /// backward needs; returns the tape and the last block's output `[rows·n, hidden]`.
-pub fn forward(
-    model: &Llama,
-    lora: &SegmentLora,
-    embeds: &Tensor,
-    at: &Positions,
-) -> Result<(Tape, Tensor)> {
-    match embeds.dtype() {
-        DType::F32 => forward_as::<f32>(model, lora, embeds, at),
-        DType::F64 => forward_as::<f64>(model, lora, embeds, at),
-        other => Err(candle_core::Error::Msg(format!("train step in {other:?}")).into()),
-    }
-}
-
-fn forward_as<T: Real>(
+pub fn forward<T: Real>(
     model: &Llama,
     lora: &SegmentLora,
     embeds: &Tensor,
@@ -249,21 +236,7 @@ const HEAD_CHUNK_ROWS: usize = 256;
 /// whose derivative with respect to the `i`th log-prob is `dloss(i, logp)`:
 /// through the final norm and the LM head, each chunk of rows' logits used
 /// for both before the next is formed.
-pub fn head(
-    model: &Llama,
-    top: &Tensor,
-    index: &Tensor,
-    targets: &[u32],
-    dloss: impl Fn(usize, f64) -> f64 + Sync,
-) -> Result<(Vec<f64>, Tensor)> {
-    match top.dtype() {
-        DType::F32 => head_as::<f32>(model, top, index, targets, dloss),
-        DType::F64 => head_as::<f64>(model, top, index, targets, dloss),
-        other => Err(candle_core::Error::Msg(format!("train step in {other:?}")).into()),
-    }
-}
-
-fn head_as<T: Real>(
+pub fn head<T: Real>(
     model: &Llama,
     top: &Tensor,
     index: &Tensor,
@@ -296,21 +269,7 @@ fn head_as<T: Real>(
 
 /// Backpropagates `grad` (∂loss/∂ last block's output, `[rows·n, hidden]`)
 /// through every block, adding the factor gradients to `grads`.
-pub fn backward(
-    model: &Llama,
-    lora: &SegmentLora,
-    tape: Tape,
-    grad: Tensor,
-    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-) -> Result<()> {
-    match grad.dtype() {
-        DType::F32 => backward_as::<f32>(model, lora, tape, grad, grads),
-        DType::F64 => backward_as::<f64>(model, lora, tape, grad, grads),
-        other => Err(candle_core::Error::Msg(format!("train step in {other:?}")).into()),
-    }
-}
-
-fn backward_as<T: Real>(
+pub fn backward<T: Real>(
     model: &Llama,
     lora: &SegmentLora,
     tape: Tape,

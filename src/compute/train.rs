@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::kernels::{with_real, Real};
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::tape::{self, SegmentLora};
 use super::{Error, Result};
@@ -284,14 +285,14 @@ pub fn train_step(
         if targets.owners.is_empty() {
             continue;
         }
-        let logps = micro_batch_step(
+        let logps = with_real!(model.embed.dtype(), T => micro_batch_step::<T>(
             model,
             adapters,
             &batch,
             &targets,
             config.clip,
             &mut out.grads,
-        )?;
+        ))?;
         record_stats(&mut out.stats, &targets, &logps, config.clip);
         out.micro_batches += 1;
     }
@@ -310,7 +311,7 @@ struct PpoTargets {
 
 /// Forward and backward of one micro-batch ([`tape`]). Adds the factor
 /// gradients to `grads`; returns the scored tokens' log-probabilities.
-fn micro_batch_step(
+fn micro_batch_step<T: Real>(
     model: &Llama,
     adapters: &AdapterSet,
     batch: &[ScoredRow],
@@ -322,11 +323,12 @@ fn micro_batch_step(
     let (_, width) = layout.tokens.dims2()?;
     let lora = SegmentLora::new(adapters, &layout.adapters, width)?;
     let embeds = model.embed(&layout.tokens)?;
-    let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
-    let (logps, top_grad) = tape::head(model, &top, &layout.index, &layout.targets, |i, lp| {
-        targets.weights[i] as f64 * targets.token(i, lp, clip).1
-    })?;
-    tape::backward(model, &lora, tape, top_grad, grads)?;
+    let (tape, top) = tape::forward::<T>(model, &lora, &embeds, &layout.at)?;
+    let (logps, top_grad) =
+        tape::head::<T>(model, &top, &layout.index, &layout.targets, |i, lp| {
+            targets.weights[i] as f64 * targets.token(i, lp, clip).1
+        })?;
+    tape::backward::<T>(model, &lora, tape, top_grad, grads)?;
     Ok(logps)
 }
 
