@@ -107,16 +107,58 @@ pub struct Llama {
     rope_sin: Tensor,
 }
 
-/// Keys and values of earlier positions, one pair per layer, `[rows, kv_heads, len, head_dim]`.
-#[derive(Debug, Clone, Default)]
+/// Keys and values of earlier positions, one pair per layer,
+/// `[rows, kv_heads, slots, head_dim]`. Each layer's buffers keep spare slots
+/// so a decode step writes its new position in place: re-concatenating the
+/// whole cache every step cost a 32-row SmolLM2 step ≈ 75 ms of ≈ 200.
+/// Inference only: the in-place write records no gradient.
+#[derive(Debug, Default)]
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Option<LayerCache>>,
+}
+
+/// One layer's key and value buffers and how many of their slots are filled.
+#[derive(Debug)]
+struct LayerCache {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+/// Buffers grow in steps of this many slots (default 128): one copy of the
+/// cache per 128 decode steps, at most 127 empty slots per row.
+pub const CACHE_SLOT_BLOCK: usize = 128;
+
+impl LayerCache {
+    fn filled(&self) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.k.narrow(2, 0, self.len)?,
+            self.v.narrow(2, 0, self.len)?,
+        ))
+    }
+
+    /// Room for `slots` positions, keeping the filled ones.
+    fn reserve(&mut self, slots: usize) -> Result<()> {
+        let capacity = self.k.dim(2)?;
+        if slots <= capacity {
+            return Ok(());
+        }
+        let grow = |t: &Tensor| -> Result<Tensor> {
+            let (rows, heads, _, hd) = t.dims4()?;
+            let spare = slots.next_multiple_of(CACHE_SLOT_BLOCK) - self.len;
+            let empty = Tensor::zeros((rows, heads, spare, hd), t.dtype(), t.device())?;
+            Ok(Tensor::cat(&[&t.narrow(2, 0, self.len)?, &empty], 2)?)
+        };
+        self.k = grow(&self.k)?;
+        self.v = grow(&self.v)?;
+        Ok(())
+    }
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> KvCache {
         KvCache {
-            layers: vec![None; num_layers],
+            layers: (0..num_layers).map(|_| None).collect(),
         }
     }
 
@@ -125,7 +167,7 @@ impl KvCache {
         self.layers
             .first()
             .and_then(|l| l.as_ref())
-            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+            .map_or(0, |l| l.len)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -134,20 +176,38 @@ impl KvCache {
 
     /// Keep only the given rows (finished rows leave the batch).
     pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.index_select(rows, 0)?;
-            *v = v.index_select(rows, 0)?;
+        for l in self.layers.iter_mut().flatten() {
+            l.k = l.k.index_select(rows, 0)?;
+            l.v = l.v.index_select(rows, 0)?;
         }
         Ok(())
     }
 
+    /// Write the new positions' `k`, `v` after the cached ones; returns all
+    /// filled positions (views into the buffers).
     fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
-        let kv = match self.layers[layer].take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-            None => (k, v),
+        if k.track_op() || v.track_op() {
+            return Err(candle_core::Error::Msg(
+                "the KV cache is for inference: keys and values must carry no gradient".into(),
+            )
+            .into());
+        }
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let mut cache = match self.layers[layer].take() {
+            Some(cache) => cache,
+            None => LayerCache {
+                k: k.narrow(2, 0, 0)?,
+                v: v.narrow(2, 0, 0)?,
+                len: 0,
+            },
         };
-        self.layers[layer] = Some(kv.clone());
-        Ok(kv)
+        cache.reserve(cache.len + k.dim(2)?)?;
+        cache.k.slice_set(&k, 2, cache.len)?;
+        cache.v.slice_set(&v, 2, cache.len)?;
+        cache.len += k.dim(2)?;
+        let filled = cache.filled();
+        self.layers[layer] = Some(cache);
+        filled
     }
 }
 

@@ -28,14 +28,25 @@ use rayon::prelude::*;
 pub const HEAD_CHUNK_ROWS: usize = 256;
 
 /// `x·Wᵀ` for `x` `[m, in]` and a frozen `w` `[out, in]`. When `x` carries no
-/// gradient (generation) this is a plain matmul.
+/// gradient (generation, scoring) this is a plain matmul, computed as
+/// `(W·xᵀ)ᵀ` for at most [`FEW_ROWS`] rows.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if x.track_op() && x.device().is_cpu() && !w.track_op() {
         x.apply_op2(w, FrozenMatmul)
+    } else if x.device().is_cpu() && x.dim(0)? <= FEW_ROWS {
+        // gemm's CPU kernels are tiled for a tall left operand; on a decode
+        // step's projections `(W·xᵀ)ᵀ` runs up to 4× faster, and at worst
+        // 20 % slower (BENCHMARKS.md, broker, "AVX-512 GEMM, decode GEMM
+        // orientation").
+        w.matmul(&x.t()?)?.t()?.contiguous()
     } else {
         x.matmul(&w.t()?)
     }
 }
+
+/// Row count up to which [`frozen_matmul`] puts the weight on the left
+/// (default 32, the largest decode batch measured).
+pub const FEW_ROWS: usize = 32;
 
 struct FrozenMatmul;
 

@@ -99,8 +99,11 @@ struct Segment {
 
 /// Below this many tokens per segment the one masked GEMM pair beats a GEMM
 /// pair per segment; above it, segments do n times fewer FLOPs (prefill,
-/// scoring). Default 64.
-const MIN_SEGMENT_TOKENS: usize = 64;
+/// scoring). Default 1024: with gemm's AVX-512 kernels, 8 adapters' masked
+/// pair was faster at both 180 and 964 tokens per segment: the per-segment
+/// calls' fixed costs dominate (BENCHMARKS.md, broker, "AVX-512 GEMM, decode
+/// GEMM orientation").
+const MIN_SEGMENT_TOKENS: usize = 1024;
 
 /// The per-row adapter assignment of a batch.
 pub struct RowAdapters {
