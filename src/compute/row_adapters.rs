@@ -11,10 +11,11 @@
 //! single-adapter pass. Gradients flow through the concatenation back to each
 //! adapter's factors.
 //!
-//! The mask costs n times the shrink and expand FLOPs. That is nothing for a
-//! few tokens per row but not for prefill, where hundreds of tokens per row
-//! make even rank-8 GEMMs efficient: there each run of rows sharing an adapter
-//! (SGMV's segments) is shrunk and expanded with its own factors only. A decode
+//! The mask costs n times the shrink and expand FLOPs. That is less than the
+//! fixed costs of a GEMM pair per adapter until an adapter's rows hold about a
+//! thousand tokens ([`MIN_SEGMENT_TOKENS`]); from there, as in scoring long
+//! sequences, each run of rows sharing an adapter (SGMV's segments) is shrunk
+//! and expanded with its own factors only. A decode
 //! step without gradient (one token per row) skips both for one fused pass
 //! ([`kernels::row_lora`]). The train step does not use this hook: it has its
 //! own per-segment LoRA with a hand-written backward (`tape::SegmentLora`).
