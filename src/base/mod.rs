@@ -3,8 +3,10 @@
 //! default model into the cache, and tiny random models for tests.
 
 mod config;
+mod decode_attention;
 mod error;
 pub mod fetch;
+pub mod few_rows;
 pub mod gguf;
 pub mod hf;
 mod model;

@@ -19,6 +19,7 @@
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 
 use super::config::ModelConfig;
+use super::decode_attention;
 use super::error::Result;
 use super::ops::{frozen_matmul, softmax, target_logprobs};
 use crate::lora::Target;
@@ -517,6 +518,9 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// so folding each group into the token axis lets one matmul serve the group
 /// without copying K and V.
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize) -> Result<Tensor> {
+    if decode_attention::applies(q, k, v) {
+        return Ok(decode_attention::decode_attention(q, k, v, mask)?);
+    }
     let (rows, heads, n, hd) = q.dims4()?;
     let slots = k.dim(2)?;
     let group = heads / kv_heads;

@@ -23,30 +23,25 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
+use super::few_rows;
+
 /// Scored rows per chunk of the LM head (default 256: a `[256, 49152]` f32
 /// logits block is 50 MB).
 pub const HEAD_CHUNK_ROWS: usize = 256;
 
 /// `x·Wᵀ` for `x` `[m, in]` and a frozen `w` `[out, in]`. When `x` carries no
-/// gradient (generation, scoring) this is a plain matmul, computed as
-/// `(W·xᵀ)ᵀ` for at most [`FEW_ROWS`] rows.
+/// gradient (generation, scoring) this is a plain matmul; on the CPU, a few
+/// rows of f32 go to the few-row kernel (see [`few_rows::serves`]).
 pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if x.track_op() && x.device().is_cpu() && !w.track_op() {
+    let cpu = x.device().is_cpu();
+    if cpu && x.track_op() && !w.track_op() {
         x.apply_op2(w, FrozenMatmul)
-    } else if x.device().is_cpu() && x.dim(0)? <= FEW_ROWS {
-        // gemm's CPU kernels are tiled for a tall left operand; on a decode
-        // step's projections `(W·xᵀ)ᵀ` runs up to 4× faster, and at worst
-        // 20 % slower (BENCHMARKS.md, broker, "AVX-512 GEMM, decode GEMM
-        // orientation").
-        w.matmul(&x.t()?)?.t()?.contiguous()
+    } else if cpu && !w.track_op() && few_rows::serves(x.dim(0)?, w.dim(0)?) {
+        x.contiguous()?.apply_op2_no_bwd(w, &FrozenMatmul)
     } else {
         x.matmul(&w.t()?)
     }
 }
-
-/// Row count up to which [`frozen_matmul`] puts the weight on the left
-/// (default 32, the largest decode batch measured).
-pub const FEW_ROWS: usize = 32;
 
 struct FrozenMatmul;
 
@@ -67,8 +62,21 @@ impl CustomOp2 for FrozenMatmul {
         if k != w_k {
             candle_core::bail!("frozen-matmul: x is [{m}, {k}] but W is [{n}, {w_k}]");
         }
-        let w_t = w_layout.transpose(0, 1)?;
-        let y = x.matmul(w, (1, m, n, k), x_layout, &w_t)?;
+        let y = match (
+            x,
+            w,
+            x_layout.contiguous_offsets(),
+            w_layout.contiguous_offsets(),
+        ) {
+            (CpuStorage::F32(x), CpuStorage::F32(w), Some((x0, x1)), Some((w0, w1)))
+                if few_rows::serves(m, n) =>
+            {
+                let y = few_rows::matmul_t(&x[x0..x1], &w[w0..w1], m, k, n)
+                    .map_err(candle_core::Error::Msg)?;
+                CpuStorage::F32(y)
+            }
+            _ => x.matmul(w, (1, m, n, k), x_layout, &w_layout.transpose(0, 1)?)?,
+        };
         Ok((y, Shape::from((m, n))))
     }
 

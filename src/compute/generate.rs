@@ -9,6 +9,7 @@
 use candle_core::{IndexOp, Tensor};
 use rand::Rng;
 use rand_chacha::ChaCha12Rng;
+use rayon::prelude::*;
 
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
@@ -150,15 +151,15 @@ pub fn generate(
         let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
         let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
         let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
+        let picked = pick_tokens(&active, &mut requests, &logits);
 
         let mut keep = Vec::with_capacity(rows);
         let mut next = Vec::with_capacity(rows);
-        for (slot, (a, row_logits)) in active.iter().zip(&logits).enumerate() {
-            let req = &mut requests[a.request];
-            let token = sample_token(row_logits, req.sampling, &mut req.rng);
+        for (slot, (a, (token, logprob))) in active.iter().zip(picked).enumerate() {
+            let req = &requests[a.request];
             let gen = &mut out[a.request];
             gen.tokens.push(token);
-            gen.logprobs.push(log_softmax_at(row_logits, token));
+            gen.logprobs.push(logprob);
             let used = req.prompt.len() + gen.tokens.len();
             gen.stop = if req.stop.contains(&token) {
                 StopReason::StopToken
@@ -188,6 +189,27 @@ pub fn generate(
         step_tokens = next;
         width = 1;
     }
+}
+
+/// Each active row's next token and its log-probability, rows in parallel
+/// (each samples from its own stream, so the order of work does not matter).
+fn pick_tokens(
+    active: &[Active],
+    requests: &mut [GenRequest],
+    logits: &[Vec<f32>],
+) -> Vec<(u32, f32)> {
+    let mut by_request: Vec<Option<&mut GenRequest>> = requests.iter_mut().map(Some).collect();
+    let rows: Vec<&mut GenRequest> = active
+        .iter()
+        .filter_map(|a| by_request[a.request].take())
+        .collect();
+    rows.into_par_iter()
+        .zip(logits)
+        .map(|(req, row_logits)| {
+            let token = sample_token(row_logits, req.sampling, &mut req.rng);
+            (token, log_softmax_at(row_logits, token))
+        })
+        .collect()
 }
 
 /// Pick a token: greedy (lowest index among ties) or sampled with temperature

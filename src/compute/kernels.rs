@@ -6,8 +6,10 @@
 
 use std::ops::Range;
 
-use candle_core::{bail, Device, Result, Shape, Storage, StorageRef, Tensor, WithDType};
+use candle_core::{bail, Device, Error, Result, Shape, Storage, StorageRef, Tensor, WithDType};
 use rayon::prelude::*;
+
+use crate::base::few_rows;
 
 /// The float types the kernels run in.
 pub trait Real: WithDType {
@@ -363,20 +365,20 @@ pub fn target_logprob_grad<T: Real>(
 }
 
 /// The LoRA delta of single-token rows (a decode step) against a batch's
-/// concatenated factors `a_t` `[in, n·r]` and `b_t` `[n·r, out]` (B
+/// concatenated factors `a` `[n·r, in]` and `b_t` `[n·r, out]` (B
 /// pre-scaled): row `i` uses rank block `slots[i]` (`None`: no adapter, zeros),
-/// `Δᵢ = (xᵢ·a_t[:, block])·b_t[block, :]`. `x` is `[rows, in]`. One pass
-/// instead of two small GEMMs and a mask product, whose fixed costs dominate
-/// at this size.
-pub fn row_lora<T: Real>(
+/// `Δᵢ = (xᵢ·a[block]ᵀ)·b_t[block]`. `x` is `[rows, in]`, f32. Rows sharing
+/// an adapter shrink together in the few-row kernel, in pieces of up to
+/// [`LORA_PIECE_ROWS`] so a batch on one adapter still spreads over threads.
+pub fn row_lora(
     x: &Tensor,
-    a_t: &Tensor,
+    a: &Tensor,
     b_t: &Tensor,
     slots: &[Option<usize>],
     rank: usize,
 ) -> Result<Tensor> {
     let (rows, in_dim) = x.dims2()?;
-    let (a_in, width) = a_t.dims2()?;
+    let (width, a_in) = a.dims2()?;
     let (b_width, out_dim) = b_t.dims2()?;
     let fits = |s: &Option<usize>| s.is_none_or(|s| (s + 1) * rank <= width);
     let empty = in_dim == 0 || out_dim == 0 || rank == 0;
@@ -385,32 +387,49 @@ pub fn row_lora<T: Real>(
         bail!(
             "row_lora: x {:?}, A {:?}, B {:?}, {} slots of rank {rank}",
             x.shape(),
-            a_t.shape(),
+            a.shape(),
             b_t.shape(),
             slots.len()
         )
     }
-    let (xv, av, bv) = (View::of(x)?, View::of(a_t)?, View::of(b_t)?);
-    let (xs, a, b) = (xv.values::<T>()?, av.values::<T>()?, bv.values::<T>()?);
-    let mut out = vec![T::ZERO; rows * out_dim];
-    out.par_chunks_mut(out_dim)
-        .zip(xs.par_chunks(in_dim))
-        .zip(slots)
-        .for_each(|((y, x), slot)| {
-            let Some(slot) = slot else { return };
-            let block = slot * rank;
-            let mut u = vec![T::ZERO; rank];
-            for (i, &x) in x.iter().enumerate() {
-                let a = &a[i * width + block..][..rank];
-                u.iter_mut().zip(a).for_each(|(u, &a)| *u += x * a);
+    let (xv, av, bv) = (View::of(x)?, View::of(a)?, View::of(b_t)?);
+    let (xs, a, b) = (
+        xv.values::<f32>()?,
+        av.values::<f32>()?,
+        bv.values::<f32>()?,
+    );
+    let mut out = vec![0f32; rows * out_dim];
+    let mut pieces = Vec::new();
+    let mut rest = out.as_mut_slice();
+    let mut start = 0;
+    for run in slots.chunk_by(|a, b| a == b) {
+        for piece in run.chunks(LORA_PIECE_ROWS) {
+            let (y, tail) = rest.split_at_mut(piece.len() * out_dim);
+            pieces.push((start, piece.len(), piece[0], y));
+            rest = tail;
+            start += piece.len();
+        }
+    }
+    pieces
+        .into_par_iter()
+        .try_for_each(|(start, len, slot, y)| {
+            let Some(slot) = slot else { return Ok(()) };
+            let x = &xs[start * in_dim..(start + len) * in_dim];
+            let a = &a[slot * rank * in_dim..(slot + 1) * rank * in_dim];
+            let u = few_rows::matmul_t_serial(x, a, len, in_dim, rank).map_err(Error::Msg)?;
+            for (y, u) in y.chunks_exact_mut(out_dim).zip(u.chunks_exact(rank)) {
+                for (j, &u) in u.iter().enumerate() {
+                    let b = &b[(slot * rank + j) * out_dim..][..out_dim];
+                    y.iter_mut().zip(b).for_each(|(y, &b)| *y += u * b);
+                }
             }
-            for (j, &u) in u.iter().enumerate() {
-                let b = &b[(block + j) * out_dim..][..out_dim];
-                y.iter_mut().zip(b).for_each(|(y, &b)| *y += u * b);
-            }
-        });
+            Ok::<_, Error>(())
+        })?;
     tensor(out, (rows, out_dim))
 }
+
+/// Rows per parallel task of [`row_lora`] (default 4).
+const LORA_PIECE_ROWS: usize = 4;
 
 /// Values per parallel task of the elementwise kernels below.
 const CHUNK: usize = 4096;

@@ -82,10 +82,10 @@ impl<'a> AdapterSet<'a> {
     }
 }
 
-/// One module's factors for a batch, transposed for `x·Aᵀ·Bᵀ`:
-/// `A_catᵀ [in, n·r]`, `B_catᵀ [n·r, out]` (scaled).
+/// One module's factors for a batch: `A_cat [n·r, in]` and, transposed for
+/// `x·Aᵀ·Bᵀ`, `B_catᵀ [n·r, out]` (scaled).
 struct ModuleFactors {
-    a_t: Tensor,
+    a: Tensor,
     b_t: Tensor,
 }
 
@@ -139,14 +139,14 @@ impl RowAdapters {
         for key in keys {
             let (a_cat, b_cat) = concatenated(&adapters, key, rank)?;
             let factors = ModuleFactors {
-                a_t: a_cat.t()?.contiguous()?,
+                a: a_cat.contiguous()?,
                 b_t: b_cat.t()?.contiguous()?,
             };
             modules.insert(key, factors);
         }
         let everyone_shares_one = used.len() == 1 && rows.iter().all(Option::is_some);
         let mask = match (everyone_shares_one, modules.values().next()) {
-            (false, Some(m)) => Some(row_mask(rows, &used, rank, &m.a_t)?),
+            (false, Some(m)) => Some(row_mask(rows, &used, rank, &m.a)?),
             _ => None,
         };
         let segments = segments(rows, &used);
@@ -168,7 +168,7 @@ impl RowAdapters {
             .iter()
             .map(|(&key, m)| {
                 let factors = ModuleFactors {
-                    a_t: m.a_t.detach(),
+                    a: m.a.detach(),
                     b_t: m.b_t.detach(),
                 };
                 (key, factors)
@@ -186,7 +186,7 @@ impl RowAdapters {
     /// keep each row's own block, expand. `[rows·tokens, out]`.
     fn masked_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
         let (rows, tokens, in_dim) = x.dims3()?;
-        let shrunk = x.reshape((rows * tokens, in_dim))?.matmul(&f.a_t)?;
+        let shrunk = x.reshape((rows * tokens, in_dim))?.matmul(&f.a.t()?)?;
         let shrunk = match &self.mask {
             Some(mask) => shrunk
                 .reshape((rows, tokens, ()))?
@@ -207,8 +207,7 @@ impl RowAdapters {
             .flat_map(|seg| std::iter::repeat_n(seg.slot, seg.rows))
             .collect();
         match x.dtype() {
-            DType::F32 => kernels::row_lora::<f32>(&x, &f.a_t, &f.b_t, &slots, self.rank),
-            DType::F64 => kernels::row_lora::<f64>(&x, &f.a_t, &f.b_t, &slots, self.rank),
+            DType::F32 => kernels::row_lora(&x, &f.a, &f.b_t, &slots, self.rank),
             _ => self.masked_delta(f, &x.unsqueeze(1)?),
         }
     }
@@ -228,9 +227,9 @@ impl RowAdapters {
                 let x = x
                     .narrow(0, seg.start, seg.rows)?
                     .reshape((seg.rows * tokens, in_dim))?;
-                let a_t = f.a_t.narrow(1, slot * self.rank, self.rank)?;
+                let a = f.a.narrow(0, slot * self.rank, self.rank)?;
                 let b_t = f.b_t.narrow(0, slot * self.rank, self.rank)?;
-                x.matmul(&a_t)?.matmul(&b_t)
+                x.matmul(&a.t()?)?.matmul(&b_t)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Tensor::cat(&parts, 0)
@@ -321,7 +320,7 @@ impl LoraHook for RowAdapters {
             return Ok(None);
         };
         let (rows, tokens, _) = x.dims3()?;
-        let no_grad = !x.track_op() && !f.a_t.track_op() && !f.b_t.track_op();
+        let no_grad = !x.track_op() && !f.a.track_op() && !f.b_t.track_op();
         let out = if tokens == 1 && no_grad && x.device().is_cpu() {
             self.decode_delta(f, x)?
         } else if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
