@@ -32,7 +32,8 @@ pub fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == candle_core::DType::F32);
     let packed = [k, v].iter().all(|t| packed_slots(t.stride(), t.dims()));
-    untracked && f32_cpu && packed && q.dims().get(2) == Some(&1)
+    let nonempty = [q, k].iter().all(|t| t.dims().iter().all(|&d| d > 0));
+    untracked && f32_cpu && packed && nonempty && q.dims().get(2) == Some(&1)
 }
 
 struct DecodeAttention {
@@ -94,7 +95,8 @@ impl CustomOp3 for DecodeAttention {
         let (rows, heads, one, d) = q_layout.shape().dims4()?;
         let (k_rows, kv_heads, slots, k_d) = k_layout.shape().dims4()?;
         let fits = one == 1 && k_rows == rows && k_d == d && v_layout.dims() == k_layout.dims();
-        if !fits || kv_heads == 0 || heads % kv_heads != 0 || self.mask.len() != rows * slots {
+        let empty = [heads, kv_heads, slots, d].contains(&0);
+        if !fits || empty || heads % kv_heads != 0 || self.mask.len() != rows * slots {
             bail!(
                 "decode attention: q {:?}, k {:?}, v {:?}, mask of {} values",
                 q_layout.dims(),

@@ -52,32 +52,40 @@ pub(crate) enum Isa {
 impl Isa {
     /// The widest this CPU runs.
     pub(crate) fn best() -> Isa {
+        Isa::ALL
+            .iter()
+            .copied()
+            .find(|isa| isa.runs_here())
+            .unwrap_or(Isa::Portable)
+    }
+
+    /// Widest first.
+    const ALL: &[Isa] = &[
         #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Isa::Avx2;
-            }
+        Isa::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2,
+        Isa::Portable,
+    ];
+
+    fn runs_here(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            Isa::Portable => true,
         }
-        Isa::Portable
     }
 
     /// Every kernel this CPU can run (for tests).
     #[cfg(test)]
     pub(crate) fn available() -> Vec<Isa> {
-        let mut all = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                all.push(Isa::Avx2);
-            }
-            if is_x86_feature_detected!("avx512f") {
-                all.push(Isa::Avx512);
-            }
-        }
-        all
+        Isa::ALL
+            .iter()
+            .copied()
+            .filter(|isa| isa.runs_here())
+            .collect()
     }
 }
 
@@ -114,14 +122,18 @@ pub(crate) fn matmul_t_with(
     k: usize,
     n: usize,
 ) -> Result<Vec<f32>, String> {
-    if x.len() != m * k || w.len() != n * k {
+    let fits = |len: usize, rows: usize| rows.checked_mul(k) == Some(len);
+    if !fits(x.len(), m) || !fits(w.len(), n) || m.checked_mul(n).is_none() {
         return Err(format!(
             "few-row matmul: x has {} values for [{m}, {k}], W {} for [{n}, {k}]",
             x.len(),
             w.len()
         ));
     }
-    if m == 0 || n == 0 {
+    if !isa.runs_here() {
+        return Err(format!("few-row matmul: this CPU lacks {isa:?}"));
+    }
+    if m == 0 || n == 0 || k == 0 {
         return Ok(vec![0.0; m * n]);
     }
     // Outputs transposed ([n, m]) so each task writes one contiguous run.
@@ -146,9 +158,9 @@ pub(crate) fn matmul_t_with(
 
 fn run(isa: Isa, x: &[f32], w: &[f32], m: usize, k: usize, y_t: &mut [f32]) {
     debug_assert!(x.len() == m * k && w.len().is_multiple_of(k) && y_t.len() == w.len() / k * m);
-    // SAFETY: the slices have the lengths `tiles` reads and writes (checked
-    // by `matmul_t_with` and the chunking above), and each target-feature
-    // function runs only where `Isa::best`/`available` detected the feature.
+    // SAFETY: the slices have the lengths `tiles` reads and writes, k > 0
+    // (both checked by `matmul_t_with`, and kept by its chunking), and
+    // `matmul_t_with` checked that this CPU has the features `isa` enables.
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
@@ -389,8 +401,12 @@ mod tests {
     }
 
     #[test]
-    fn wrong_lengths_are_an_error() {
+    fn wrong_lengths_are_an_error_and_empty_products_zeros() {
         let err = matmul_t(&[0.0; 5], &[0.0; 8], 2, 3, 4).unwrap_err();
         assert!(err.contains("[2, 3]"), "{err}");
+        let huge = usize::MAX / 2 + 1;
+        assert!(matmul_t(&[0.0; 4], &[0.0; 4], huge, 2, 2).is_err());
+        assert_eq!(matmul_t(&[], &[], 2, 0, 3).unwrap(), vec![0.0; 6]);
+        assert!(matmul_t_serial(&[], &[0.0; 6], 0, 3, 2).unwrap().is_empty());
     }
 }

@@ -151,7 +151,7 @@ pub fn generate(
         let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
         let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
         let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
-        let picked = pick_tokens(&active, &mut requests, &logits);
+        let picked = pick_tokens(&active, &mut requests, &logits)?;
 
         let mut keep = Vec::with_capacity(rows);
         let mut next = Vec::with_capacity(rows);
@@ -197,19 +197,26 @@ fn pick_tokens(
     active: &[Active],
     requests: &mut [GenRequest],
     logits: &[Vec<f32>],
-) -> Vec<(u32, f32)> {
+) -> Result<Vec<(u32, f32)>> {
     let mut by_request: Vec<Option<&mut GenRequest>> = requests.iter_mut().map(Some).collect();
-    let rows: Vec<&mut GenRequest> = active
+    let rows: Option<Vec<&mut GenRequest>> = active
         .iter()
-        .filter_map(|a| by_request[a.request].take())
+        .map(|a| by_request.get_mut(a.request)?.take())
         .collect();
-    rows.into_par_iter()
+    let rows = rows
+        .filter(|rows| rows.len() == logits.len())
+        .ok_or(Error::BadRow {
+            row: 0,
+            reason: "decoding rows do not match their requests one to one".into(),
+        })?;
+    Ok(rows
+        .into_par_iter()
         .zip(logits)
         .map(|(req, row_logits)| {
             let token = sample_token(row_logits, req.sampling, &mut req.rng);
             (token, log_softmax_at(row_logits, token))
         })
-        .collect()
+        .collect())
 }
 
 /// Pick a token: greedy (lowest index among ties) or sampled with temperature

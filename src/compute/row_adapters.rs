@@ -15,7 +15,7 @@
 //! fixed costs of a GEMM pair per adapter until an adapter's rows hold about a
 //! thousand tokens ([`MIN_SEGMENT_TOKENS`]); from there, as in scoring long
 //! sequences, each run of rows sharing an adapter (SGMV's segments) is shrunk
-//! and expanded with its own factors only. A decode
+//! and expanded with its own factors only. An f32 decode
 //! step without gradient (one token per row) skips both for one fused pass
 //! ([`kernels::row_lora`]). The train step does not use this hook: it has its
 //! own per-segment LoRA with a hand-written backward (`tape::SegmentLora`).
