@@ -133,13 +133,13 @@ impl CustomOp3 for DecodeAttention {
 
 /// `out = softmax(scores·scale + mask)·V` for one query, `V` `[slots, d]`.
 fn weighted_values(scores: &[f32], mask: &[f32], scale: f32, v: &[f32], out: &mut [f32]) {
-    let logits: Vec<f32> = scores
+    let mut weights: Vec<f32> = scores
         .iter()
         .zip(mask)
         .map(|(s, m)| s * scale + m)
         .collect();
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    weights.iter_mut().for_each(|w| *w = (*w - max).exp());
     let total: f32 = weights.iter().sum();
     for (&w, v) in weights.iter().zip(v.chunks_exact(out.len())) {
         let w = w / total;

@@ -30,16 +30,14 @@ use super::few_rows;
 pub const HEAD_CHUNK_ROWS: usize = 256;
 
 /// `x·Wᵀ` for `x` `[m, in]` and a frozen `w` `[out, in]`. When `x` carries no
-/// gradient (generation, scoring) this is a plain matmul; on the CPU, a few
-/// rows of f32 go to the few-row kernel (see [`few_rows::serves`]).
+/// gradient (generation, scoring) no backward is recorded. On the CPU, a few
+/// contiguous rows of f32 go to the few-row kernel (see [`few_rows::serves`]),
+/// the rest to gemm.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let cpu = x.device().is_cpu();
-    if cpu && x.track_op() && !w.track_op() {
-        x.apply_op2(w, FrozenMatmul)
-    } else if cpu && !w.track_op() && few_rows::serves(x.dim(0)?, w.dim(0)?) {
-        x.contiguous()?.apply_op2_no_bwd(w, &FrozenMatmul)
-    } else {
-        x.matmul(&w.t()?)
+    match (x.device().is_cpu() && !w.track_op(), x.track_op()) {
+        (true, true) => x.apply_op2(w, FrozenMatmul),
+        (true, false) => x.apply_op2_no_bwd(w, &FrozenMatmul),
+        (false, _) => x.matmul(&w.t()?),
     }
 }
 
