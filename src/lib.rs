@@ -30,3 +30,6 @@ pub mod scenario;
 pub mod selfplay;
 pub mod task;
 pub mod verify;
+
+#[cfg(test)]
+mod test_util;

@@ -7,6 +7,7 @@ mod decode_attention;
 mod error;
 pub mod fetch;
 pub mod few_rows;
+pub mod gemm;
 pub mod gguf;
 pub mod hf;
 mod model;

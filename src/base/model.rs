@@ -21,6 +21,7 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use super::config::ModelConfig;
 use super::decode_attention;
 use super::error::Result;
+use super::gemm;
 use super::ops::{frozen_matmul, softmax, target_logprobs};
 use crate::lora::Target;
 
@@ -526,10 +527,10 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize)
     let group = heads / kv_heads;
     // Scaling q rather than the scores touches n·hd values instead of n·slots.
     let q = (q / (hd as f64).sqrt())?.reshape((rows, kv_heads, group * n, hd))?;
-    let scores = q.matmul(&k.t()?)?;
+    let scores = gemm::matmul(&q, &k.t()?)?;
     let scores = scores
         .reshape((rows, heads, n, slots))?
         .broadcast_add(mask)?;
     let probs = softmax(&scores)?.reshape((rows, kv_heads, group * n, slots))?;
-    Ok(probs.matmul(v)?.reshape((rows, heads, n, hd))?)
+    Ok(gemm::matmul(&probs, v)?.reshape((rows, heads, n, hd))?)
 }

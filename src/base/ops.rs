@@ -24,6 +24,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use super::few_rows;
+use super::gemm::{self, Threads};
 
 /// Scored rows per chunk of the LM head (default 256: a `[256, 49152]` f32
 /// logits block is 50 MB).
@@ -72,6 +73,14 @@ impl CustomOp2 for FrozenMatmul {
                 let y = few_rows::matmul_t(&x[x0..x1], &w[w0..w1], m, k, n)
                     .map_err(candle_core::Error::Msg)?;
                 CpuStorage::F32(y)
+            }
+            (CpuStorage::F32(x), CpuStorage::F32(w), ..) => {
+                let w_t = w_layout.transpose(0, 1)?;
+                CpuStorage::F32(gemm::values_of(x, x_layout, w, &w_t, Threads::All)?.0)
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w), ..) => {
+                let w_t = w_layout.transpose(0, 1)?;
+                CpuStorage::F64(gemm::values_of(x, x_layout, w, &w_t, Threads::All)?.0)
             }
             _ => x.matmul(w, (1, m, n, k), x_layout, &w_layout.transpose(0, 1)?)?,
         };
@@ -129,7 +138,7 @@ impl TargetLogprobs {
     }
 
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        h.matmul(&self.head.t()?)
+        gemm::matmul(h, &self.head.t()?)
     }
 
     fn forward(&self, h: &Tensor) -> Result<Tensor> {
@@ -266,18 +275,8 @@ fn cpu_tensor(storage: &CpuStorage, layout: &Layout) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_abs_diff;
     use candle_core::{DType, Var};
-
-    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
-    }
 
     /// Values and input gradients equal the plain-op definition, across
     /// several head chunks, and the frozen weights receive no gradient.

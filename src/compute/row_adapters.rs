@@ -26,7 +26,7 @@ use candle_core::{DType, Tensor, D};
 
 use super::kernels;
 
-use crate::base::{LoraHook, ModelConfig};
+use crate::base::{gemm, LoraHook, ModelConfig};
 use crate::lora::{Adapter, ModuleKey, Target};
 
 /// Our own adapter id (a member id in the runtime). Ordered, so batches are too.
@@ -186,7 +186,7 @@ impl RowAdapters {
     /// keep each row's own block, expand. `[rows·tokens, out]`.
     fn masked_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
         let (rows, tokens, in_dim) = x.dims3()?;
-        let shrunk = x.reshape((rows * tokens, in_dim))?.matmul(&f.a.t()?)?;
+        let shrunk = gemm::matmul(&x.reshape((rows * tokens, in_dim))?, &f.a.t()?)?;
         let shrunk = match &self.mask {
             Some(mask) => shrunk
                 .reshape((rows, tokens, ()))?
@@ -194,7 +194,7 @@ impl RowAdapters {
                 .reshape((rows * tokens, ()))?,
             None => shrunk,
         };
-        shrunk.matmul(&f.b_t)
+        gemm::matmul(&shrunk, &f.b_t)
     }
 
     /// `Δ` of a decode step (one token per row, no gradient) in one fused pass.
@@ -229,7 +229,7 @@ impl RowAdapters {
                     .reshape((seg.rows * tokens, in_dim))?;
                 let a = f.a.narrow(0, slot * self.rank, self.rank)?;
                 let b_t = f.b_t.narrow(0, slot * self.rank, self.rank)?;
-                x.matmul(&a.t()?)?.matmul(&b_t)
+                gemm::matmul(&gemm::matmul(&x, &a.t()?)?, &b_t)
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Tensor::cat(&parts, 0)

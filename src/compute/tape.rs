@@ -30,10 +30,12 @@ use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use super::kernels::{self, Heads, Real};
 use super::row_adapters::{AdapterId, AdapterSet};
 use super::{Error, Result};
+use crate::base::gemm::{self, Threads};
 use crate::base::{BlockContext, Linear, Llama, Positions};
 use crate::lora::{Adapter, AdapterGrads, ModuleKey, Target};
 
@@ -100,48 +102,101 @@ impl<'a> SegmentLora<'a> {
         linear: &Linear,
         x: &Tensor,
     ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
-        let mut y = x.matmul(&linear.weight.t()?)?;
+        let (mut y, shape) = gemm::product_values::<T>(x, &linear.weight.t()?, Threads::All)?;
+        let out_dim = linear.weight.dim(0)?;
         if let Some(bias) = &linear.bias {
-            y = y.broadcast_add(bias)?;
+            let bias = bias.to_vec1::<T>()?;
+            for row in y.chunks_mut(out_dim) {
+                row.iter_mut().zip(&bias).for_each(|(y, &b)| *y += b);
+            }
         }
-        let mut deltas = Vec::new();
-        let mut shrunk = Vec::with_capacity(self.segments.len());
-        for (k, seg) in self.segments.iter().enumerate() {
+        let shrunk = self.each_segment(Some((&mut y, out_dim)), |k, seg, rows| {
             let Some(f) = self.factors.get(&(k, key)) else {
-                shrunk.push(None);
-                continue;
+                return Ok(None);
             };
-            let u = x.narrow(0, seg.start, seg.len)?.matmul(&f.a.t()?)?;
-            deltas.push((seg.start, u.matmul(&f.b_scaled.t()?)?));
-            shrunk.push(Some(u));
-        }
-        Ok((kernels::add_rows::<T>(&y, &deltas)?, shrunk))
+            let u = gemm::matmul_serial(&x.narrow(0, seg.start, seg.len)?, &f.a.t()?)?;
+            if let Some(rows) = rows {
+                gemm::add_product(rows, &u, &f.b_scaled.t()?, Threads::One)?;
+            }
+            Ok(Some(u))
+        })?;
+        Ok((gemm::tensor((y, shape))?, shrunk))
     }
 
     /// Adds each segment's factor gradients of `key` to `grads`, given the
     /// projection's input `x`, its saved `shrunk` and its output gradient
-    /// `dy`; returns the LoRA part of `∂x` as `(first row, [len, in])` parts.
-    fn factor_grads(
+    /// `dy`; adds the LoRA part of `∂x` into `dx` (`[tokens, in]` values)
+    /// when given.
+    fn factor_grads<T: Real>(
         &self,
         key: ModuleKey,
         x: &Tensor,
         shrunk: &[Option<Tensor>],
         dy: &Tensor,
+        dx: Option<&mut [T]>,
         grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-    ) -> Result<Vec<(usize, Tensor)>> {
-        let mut dx_parts = Vec::new();
-        for ((k, seg), u) in self.segments.iter().enumerate().zip(shrunk) {
-            let (Some(f), Some(u)) = (self.factors.get(&(k, key)), u) else {
-                continue;
+    ) -> Result<()> {
+        let in_dim = x.dim(1)?;
+        let parts = self.each_segment(dx.map(|dx| (dx, in_dim)), |k, seg, rows| {
+            let (Some(f), Some(u)) = (self.factors.get(&(k, key)), &shrunk[k]) else {
+                return Ok(None);
             };
             let dy = dy.narrow(0, seg.start, seg.len)?;
-            let du = dy.matmul(&f.b_scaled)?;
-            let da = du.t()?.matmul(&x.narrow(0, seg.start, seg.len)?)?;
-            let db = (dy.t()?.matmul(u)? * seg.adapter.scale())?;
-            add_grads(grads, seg.id, key, da, db)?;
-            dx_parts.push((seg.start, du.matmul(&f.a)?));
+            let du = gemm::matmul_serial(&dy, &f.b_scaled)?;
+            let da = gemm::matmul_serial(&du.t()?, &x.narrow(0, seg.start, seg.len)?)?;
+            let db = (gemm::matmul_serial(&dy.t()?, u)? * seg.adapter.scale())?;
+            if let Some(rows) = rows {
+                gemm::add_product(rows, &du, &f.a, Threads::One)?;
+            }
+            Ok(Some((da, db)))
+        })?;
+        for (seg, part) in self.segments.iter().zip(parts) {
+            if let Some((da, db)) = part {
+                add_grads(grads, seg.id, key, da, db)?;
+            }
         }
-        Ok(dx_parts)
+        Ok(())
+    }
+
+    /// `f(k, segment k, its rows of values)` for every segment, side by side
+    /// on rayon's threads (each segment's products are too small to share
+    /// out), results in segment order. `values` is `[tokens, width]`
+    /// row-major; without it `f` gets `None`.
+    fn each_segment<T: Send, R: Send>(
+        &self,
+        values: Option<(&mut [T], usize)>,
+        f: impl Fn(usize, &TokenSegment, Option<&mut [T]>) -> Result<R> + Sync,
+    ) -> Result<Vec<R>> {
+        let mut blocks: Vec<Option<&mut [T]>> = Vec::with_capacity(self.segments.len());
+        match values {
+            None => blocks.resize_with(self.segments.len(), || None),
+            Some((mut rest, width)) => {
+                // Segments are in row order and disjoint (see `new`).
+                let mut row = 0;
+                for seg in &self.segments {
+                    let skip = (seg.start - row) * width;
+                    if rest.len() < skip + seg.len * width {
+                        return Err(candle_core::Error::Msg(format!(
+                            "segment at rows {}..{} outside {} rows",
+                            seg.start,
+                            seg.start + seg.len,
+                            row + rest.len() / width.max(1)
+                        ))
+                        .into());
+                    }
+                    let (block, tail) = rest[skip..].split_at_mut(seg.len * width);
+                    blocks.push(Some(block));
+                    rest = tail;
+                    row = seg.start + seg.len;
+                }
+            }
+        }
+        self.segments
+            .par_iter()
+            .zip(blocks)
+            .enumerate()
+            .map(|(k, (seg, block))| f(k, seg, block))
+            .collect()
     }
 }
 
@@ -227,9 +282,10 @@ pub fn forward<T: Real>(
     Ok((Tape { saved, ctx }, h))
 }
 
-/// Scored rows per chunk of the LM head (256: a `[256, 49152]` f32 logits
-/// block is 50 MB).
-const HEAD_CHUNK_ROWS: usize = 256;
+/// Scored rows per chunk of the LM head (512: a `[512, 49152]` f32 logits
+/// block and its gradient are 100 MB each; the head's two GEMMs ran at
+/// 208–219 GFLOP/s with 512 rows against 166–189 with 256).
+const HEAD_CHUNK_ROWS: usize = 512;
 
 /// The log-probabilities of `targets` at rows `index` of the last block's
 /// output `top` (`[rows·n, hidden]`), and the gradient at `top` of a loss
@@ -250,13 +306,13 @@ pub fn head<T: Real>(
     let mut d_normed = Vec::new();
     for start in (0..targets.len()).step_by(HEAD_CHUNK_ROWS) {
         let len = HEAD_CHUNK_ROWS.min(targets.len() - start);
-        let logits = normed.narrow(0, start, len)?.matmul(&model.lm_head.t()?)?;
+        let logits = gemm::matmul(&normed.narrow(0, start, len)?, &model.lm_head.t()?)?;
         let (lp, d_logits) =
             kernels::target_logprob_grad::<T>(&logits, &targets[start..start + len], |i, lp| {
                 dloss(start + i, lp)
             })?;
         logps.extend(lp);
-        d_normed.push(d_logits.matmul(&model.lm_head)?);
+        d_normed.push(gemm::matmul(&d_logits, &model.lm_head)?);
     }
     if d_normed.is_empty() {
         return Ok((logps, top.zeros_like()?));
@@ -323,7 +379,7 @@ impl Pass<'_> {
 
     /// Attention probabilities `[rows, kv_heads, group·n, n]`.
     fn probs<T: Real>(&self, q: &Tensor, k: &Tensor) -> Result<Tensor> {
-        let scores = self.grouped(q)?.matmul(&k.t()?)?;
+        let scores = gemm::matmul(&self.grouped(q)?, &k.t()?)?;
         Ok(kernels::masked_softmax::<T>(
             &scores,
             &self.ctx.mask,
@@ -363,7 +419,7 @@ impl Pass<'_> {
         let k = project(Target::K, &a)?;
         let k = kernels::rope_heads::<T>(&k, cos, sin, self.heads(cfg.num_kv_heads))?;
         let v = self.split_heads(&project(Target::V, &a)?, cfg.num_kv_heads)?;
-        let out = self.probs::<T>(&q, &k)?.matmul(&v)?;
+        let out = gemm::matmul(&self.probs::<T>(&q, &k)?, &v)?;
         let attn = self.merge_heads(&out.reshape(q.dims())?)?;
         let x2 = (&x + project(Target::O, &attn)?)?;
         let m = kernels::rms_norm::<T>(&x2, &block.mlp_norm, cfg.rms_norm_eps)?;
@@ -399,32 +455,51 @@ impl Pass<'_> {
         let block = &self.model.blocks[layer];
         let (cos, sin) = (&self.ctx.cos, &self.ctx.sin);
         let eps = cfg.rms_norm_eps;
-        // Factor gradients of `target`, then ∂ of its input.
-        let mut back = |target: Target, x: &Tensor, dy: &Tensor| -> Result<Tensor> {
+        // Factor gradients of `target`, and ∂ of its input added to `into`
+        // (`[tokens, in]` values and shape) or to zeros.
+        type Values<T> = (Vec<T>, candle_core::Shape);
+        let mut back = |target: Target,
+                        x: &Tensor,
+                        dy: &Tensor,
+                        into: Option<Values<T>>|
+         -> Result<Values<T>> {
+            let w = &block.linear(target).weight;
+            let (mut dx, shape) = match into {
+                None => gemm::product_values::<T>(dy, w, Threads::All)?,
+                Some((mut dx, shape)) => {
+                    gemm::add_product(&mut dx, dy, w, Threads::All)?;
+                    (dx, shape)
+                }
+            };
             let key = ModuleKey { layer, target };
-            let parts = self
-                .lora
-                .factor_grads(key, x, &s.shrunk[&target], dy, grads)?;
-            let dx = dy.matmul(&block.linear(target).weight)?;
-            Ok(kernels::add_rows::<T>(&dx, &parts)?)
+            self.lora
+                .factor_grads(key, x, &s.shrunk[&target], dy, Some(&mut dx), grads)?;
+            Ok((dx, shape))
         };
 
-        let d_swiglu = back(Target::Down, &kernels::swiglu::<T>(&s.gate, &s.up)?, dy)?;
-        let (d_gate, d_up) = kernels::swiglu_backward::<T>(&s.gate, &s.up, &d_swiglu)?;
-        let dm = (back(Target::Gate, &s.m, &d_gate)? + back(Target::Up, &s.m, &d_up)?)?;
+        let d_swiglu = back(
+            Target::Down,
+            &kernels::swiglu::<T>(&s.gate, &s.up)?,
+            dy,
+            None,
+        )?;
+        let (d_gate, d_up) =
+            kernels::swiglu_backward::<T>(&s.gate, &s.up, &gemm::tensor(d_swiglu)?)?;
+        let dm = back(Target::Gate, &s.m, &d_gate, None)?;
+        let dm = gemm::tensor(back(Target::Up, &s.m, &d_up, Some(dm))?)?;
         let dx2 = kernels::rms_norm_backward::<T>(&s.x2, &block.mlp_norm, eps, &dm, Some(dy))?;
 
-        let d_out =
-            self.grouped(&self.split_heads(&back(Target::O, &s.attn, &dx2)?, cfg.num_heads)?)?;
+        let d_attn = gemm::tensor(back(Target::O, &s.attn, &dx2, None)?)?;
+        let d_out = self.grouped(&self.split_heads(&d_attn, cfg.num_heads)?)?;
         let p = self.probs::<T>(&s.q, &s.k)?;
-        let dv = p.t()?.matmul(&d_out)?;
+        let dv = gemm::matmul(&p.t()?, &d_out)?;
         let d_scores = kernels::masked_softmax_backward::<T>(
             &p,
-            &d_out.matmul(&s.v.t()?)?,
+            &gemm::matmul(&d_out, &s.v.t()?)?,
             self.score_scale(),
         )?;
-        let dq = d_scores.matmul(&s.k)?.reshape(s.q.dims())?;
-        let dk = d_scores.t()?.matmul(&self.grouped(&s.q)?)?;
+        let dq = gemm::matmul(&d_scores, &s.k)?.reshape(s.q.dims())?;
+        let dk = gemm::matmul(&d_scores.t()?, &self.grouped(&s.q)?)?;
         let dq = kernels::rope_heads_backward::<T>(&dq, cos, sin, self.heads(cfg.num_heads))?;
         let dk = kernels::rope_heads_backward::<T>(&dk, cos, sin, self.heads(cfg.num_kv_heads))?;
         let dv = self.merge_heads(&dv)?;
@@ -434,12 +509,13 @@ impl Pass<'_> {
             for (target, d) in [(Target::Q, &dq), (Target::K, &dk), (Target::V, &dv)] {
                 let key = ModuleKey { layer, target };
                 self.lora
-                    .factor_grads(key, &s.a, &s.shrunk[&target], d, grads)?;
+                    .factor_grads::<T>(key, &s.a, &s.shrunk[&target], d, None, grads)?;
             }
             return Ok(None);
         }
-        let da = ((back(Target::Q, &s.a, &dq)? + back(Target::K, &s.a, &dk)?)?
-            + back(Target::V, &s.a, &dv)?)?;
+        let da = back(Target::Q, &s.a, &dq, None)?;
+        let da = back(Target::K, &s.a, &dk, Some(da))?;
+        let da = gemm::tensor(back(Target::V, &s.a, &dv, Some(da))?)?;
         let dx = kernels::rms_norm_backward::<T>(&s.x, &block.attn_norm, eps, &da, Some(&dx2))?;
         Ok(Some(dx))
     }

@@ -1,0 +1,403 @@
+//! Matrix products on the CPU through the `gemm` crate (candle's own GEMM),
+//! for tensors that carry no gradient: the train step's hand-written passes
+//! (`compute::tape`), and the no-gradient forward (prefill, scoring).
+//!
+//! What differs from `Tensor::matmul`, each measured on the train step
+//! (`populora bench broker`, BENCHMARKS.md):
+//! - The output is not zero-filled before gemm overwrites it. candle's
+//!   `vec![0; m·n]` is a full extra pass over every product's output.
+//! - [`add_product`] adds a product into values the caller already holds
+//!   (a LoRA delta into its projection's output, the input gradients of
+//!   several projections into one sum), instead of a product and an add.
+//! - A batch of small products (attention: one per row and KV head, e.g.
+//!   `[768, 64]·[64, 256]`) runs its products side by side, one per thread,
+//!   instead of one after another with every thread on each; and
+//!   [`Threads::One`] lets a caller do the same with products of its own
+//!   (each adapter segment's LoRA). Each such product is too small to keep two
+//!   threads busy, and the hand-off costs more than it saves.
+//!
+//! [`matmul`] sends anything else (another device or dtype, a tensor that
+//! records a gradient) to `Tensor::matmul`, so callers need no second path.
+
+use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// How many threads one call may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Threads {
+    /// rayon's whole pool.
+    All,
+    /// The calling thread only: for callers that run independent products
+    /// side by side themselves.
+    One,
+}
+
+/// `a·b` for `a` `[..., m, k]` and `b` `[..., k, n]` with equal batch
+/// dimensions; any strides (a transposed view costs no copy).
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    product(a, b, Threads::All)
+}
+
+/// [`matmul`] on the calling thread only.
+pub fn matmul_serial(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    product(a, b, Threads::One)
+}
+
+fn product(a: &Tensor, b: &Tensor, threads: Threads) -> Result<Tensor> {
+    let plain = a.device().is_cpu()
+        && a.dtype() == b.dtype()
+        && !a.track_op()
+        && !b.track_op()
+        && a.rank() >= 2
+        && a.rank() == b.rank()
+        && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2];
+    match a.dtype() {
+        DType::F32 if plain => tensor(product_values::<f32>(a, b, threads)?),
+        DType::F64 if plain => tensor(product_values::<f64>(a, b, threads)?),
+        _ => a.matmul(b),
+    }
+}
+
+/// A CPU tensor of row-major values.
+pub fn tensor<T: WithDType>((values, shape): (Vec<T>, Shape)) -> Result<Tensor> {
+    Tensor::from_vec(values, shape, &Device::Cpu)
+}
+
+/// `a·b` as row-major values of type `T` (the tensors' dtype), with its shape.
+pub fn product_values<T: WithDType>(
+    a: &Tensor,
+    b: &Tensor,
+    threads: Threads,
+) -> Result<(Vec<T>, Shape)> {
+    let (a_storage, a_layout) = a.storage_and_layout();
+    let (b_storage, b_layout) = b.storage_and_layout();
+    let (Storage::Cpu(x), Storage::Cpu(y)) = (&*a_storage, &*b_storage) else {
+        candle_core::bail!("gemm: operands must be on the CPU")
+    };
+    let (x, y) = (T::cpu_storage_as_slice(x)?, T::cpu_storage_as_slice(y)?);
+    values_of(x, a_layout, y, b_layout, threads)
+}
+
+/// [`product_values`] on the values and layouts candle hands a `CustomOp`.
+pub(crate) fn values_of<T: WithDType>(
+    a: &[T],
+    a_layout: &Layout,
+    b: &[T],
+    b_layout: &Layout,
+    threads: Threads,
+) -> Result<(Vec<T>, Shape)> {
+    let plan = Plan::new(a, a_layout, b, b_layout)?;
+    let len = plan.shape.elem_count();
+    if plan.k == 0 || len == 0 {
+        return Ok((vec![T::from_f64(0.0); len], plan.shape));
+    }
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    // SAFETY: `out` has room for the `len` values of the product; `run`
+    // writes every one of them (`read_dst` false) before `set_len`.
+    unsafe {
+        plan.run(out.as_mut_ptr(), false, threads);
+        out.set_len(len);
+    }
+    Ok((out, plan.shape))
+}
+
+/// `dst += a·b`, for `dst` the row-major values of a product of `a`'s and
+/// `b`'s shape.
+pub fn add_product<T: WithDType>(
+    dst: &mut [T],
+    a: &Tensor,
+    b: &Tensor,
+    threads: Threads,
+) -> Result<()> {
+    let (a_storage, a_layout) = a.storage_and_layout();
+    let (b_storage, b_layout) = b.storage_and_layout();
+    let (Storage::Cpu(x), Storage::Cpu(y)) = (&*a_storage, &*b_storage) else {
+        candle_core::bail!("gemm: operands must be on the CPU")
+    };
+    let (x, y) = (T::cpu_storage_as_slice(x)?, T::cpu_storage_as_slice(y)?);
+    let plan = Plan::new(x, a_layout, y, b_layout)?;
+    if dst.len() != plan.shape.elem_count() {
+        candle_core::bail!(
+            "gemm: {} values to add a product of shape {:?} into",
+            dst.len(),
+            plan.shape
+        );
+    }
+    if plan.k > 0 && !dst.is_empty() {
+        // SAFETY: `dst` holds exactly the product's values, initialised.
+        unsafe { plan.run(dst.as_mut_ptr(), true, threads) };
+    }
+    Ok(())
+}
+
+/// One operand: its values and layout.
+struct Operand<'a, T> {
+    values: &'a [T],
+    layout: &'a Layout,
+}
+
+impl<T> Operand<'_, T> {
+    fn matrix_strides(&self) -> (isize, isize) {
+        let s = self.layout.stride();
+        (s[s.len() - 2] as isize, s[s.len() - 1] as isize)
+    }
+
+    /// Offset of each matrix of the batch, in row-major batch order.
+    fn batch_offsets(&self) -> Vec<usize> {
+        let dims = self.layout.dims();
+        let strides = self.layout.stride();
+        let mut offsets = vec![self.layout.start_offset()];
+        for axis in 0..dims.len() - 2 {
+            offsets = offsets
+                .iter()
+                .flat_map(|&o| (0..dims[axis]).map(move |i| o + i * strides[axis]))
+                .collect();
+        }
+        offsets
+    }
+
+    /// Whether every element the layout reaches lies inside `values`: the
+    /// bound gemm's raw-pointer reads rest on.
+    fn in_bounds(&self) -> bool {
+        let dims = self.layout.dims();
+        if dims.contains(&0) {
+            return true;
+        }
+        let last = dims
+            .iter()
+            .zip(self.layout.stride())
+            .try_fold(self.layout.start_offset(), |acc, (&d, &s)| {
+                (d - 1).checked_mul(s).and_then(|x| acc.checked_add(x))
+            });
+        matches!(last, Some(l) if l < self.values.len())
+    }
+}
+
+/// A checked product: operands, sizes and the output's shape.
+struct Plan<'a, T> {
+    a: Operand<'a, T>,
+    b: Operand<'a, T>,
+    m: usize,
+    k: usize,
+    n: usize,
+    shape: Shape,
+}
+
+/// A raw output pointer that threads write disjoint matrices through.
+#[derive(Clone, Copy)]
+struct Out<T>(*mut T);
+
+impl<T> Out<T> {
+    /// # Safety
+    /// As for `pointer::add`.
+    unsafe fn at(self, offset: usize) -> *mut T {
+        unsafe { self.0.add(offset) }
+    }
+}
+// SAFETY: each task writes only its own matrix of the output (see Plan::run).
+unsafe impl<T> Send for Out<T> {}
+unsafe impl<T> Sync for Out<T> {}
+
+impl<'a, T: WithDType> Plan<'a, T> {
+    fn new(a: &'a [T], a_layout: &'a Layout, b: &'a [T], b_layout: &'a Layout) -> Result<Self> {
+        let (a_dims, b_dims) = (a_layout.dims(), b_layout.dims());
+        let rank = a_dims.len();
+        let fits = rank >= 2
+            && b_dims.len() == rank
+            && a_dims[..rank - 2] == b_dims[..rank - 2]
+            && a_dims[rank - 1] == b_dims[rank - 2];
+        if !fits {
+            candle_core::bail!("gemm: cannot multiply {a_dims:?} by {b_dims:?}");
+        }
+        let (a, b) = (
+            Operand {
+                values: a,
+                layout: a_layout,
+            },
+            Operand {
+                values: b,
+                layout: b_layout,
+            },
+        );
+        if !a.in_bounds() || !b.in_bounds() {
+            candle_core::bail!("gemm: a layout reaches past its storage");
+        }
+        let (m, k, n) = (a_dims[rank - 2], a_dims[rank - 1], b_dims[rank - 1]);
+        let mut out_dims = a_dims[..rank - 2].to_vec();
+        out_dims.extend([m, n]);
+        Ok(Plan {
+            a,
+            b,
+            m,
+            k,
+            n,
+            shape: Shape::from(out_dims),
+        })
+    }
+
+    /// Writes (or with `read_dst` adds) the product into `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of the product's `shape.elem_count()`
+    /// values, initialised when `read_dst`, and touched by no one else
+    /// meanwhile. `k` and the output must not be empty.
+    unsafe fn run(&self, dst: *mut T, read_dst: bool, threads: Threads) {
+        let (m, k, n) = (self.m, self.k, self.n);
+        let (a_offsets, b_offsets) = (self.a.batch_offsets(), self.b.batch_offsets());
+        let (a_rs, a_cs) = self.a.matrix_strides();
+        let (b_rs, b_cs) = self.b.matrix_strides();
+        let dst = Out(dst);
+        let one = |i: usize, parallelism: Parallelism| {
+            // SAFETY: `Plan::new` checked that every element each operand's
+            // offsets and strides reach lies inside it; matrix `i` of the
+            // output is the `m·n` values from `i·m·n` on, inside `dst` by
+            // the caller's guarantee, and no other task touches them.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    dst.at(i * m * n),
+                    1,
+                    n as isize,
+                    read_dst,
+                    self.a.values.as_ptr().add(a_offsets[i]),
+                    a_cs,
+                    a_rs,
+                    self.b.values.as_ptr().add(b_offsets[i]),
+                    b_cs,
+                    b_rs,
+                    T::from_f64(1.0),
+                    T::from_f64(1.0),
+                    false,
+                    false,
+                    false,
+                    parallelism,
+                )
+            }
+        };
+        let batch = a_offsets.len();
+        let pool = match threads {
+            Threads::All => rayon::current_num_threads(),
+            Threads::One => 1,
+        };
+        if pool == 1 {
+            (0..batch).for_each(|i| one(i, Parallelism::None));
+        } else if batch >= pool {
+            (0..batch)
+                .into_par_iter()
+                .for_each(|i| one(i, Parallelism::None));
+        } else {
+            (0..batch).for_each(|i| one(i, Parallelism::Rayon(pool)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::max_abs_diff;
+
+    fn close(a: &Tensor, b: &Tensor, tol: f64) {
+        let diff = max_abs_diff(a, b);
+        assert!(diff <= tol, "max difference {diff}");
+    }
+
+    #[test]
+    fn equals_candle_matmul_for_views_and_batches() {
+        let dev = Device::Cpu;
+        for dtype in [DType::F32, DType::F64] {
+            let x = Tensor::randn(0f32, 1.0, (3, 4, 37, 19), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let y = Tensor::randn(0f32, 1.0, (3, 4, 23, 19), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let cases = [
+                // batched, transposed right operand (a strided view)
+                (x.clone(), y.t().unwrap()),
+                // a transposed left operand
+                (x.t().unwrap(), x.clone()),
+                // 2-D, a narrowed view with an offset
+                (
+                    x.get(1).unwrap().get(2).unwrap().narrow(0, 5, 20).unwrap(),
+                    y.get(0).unwrap().get(3).unwrap().t().unwrap(),
+                ),
+                // batch dimensions taken through a transpose
+                (
+                    x.transpose(0, 1).unwrap(),
+                    y.transpose(0, 1).unwrap().t().unwrap(),
+                ),
+            ];
+            for (a, b) in cases {
+                // candle refuses some of these strides: compare on copies.
+                let theirs = a
+                    .contiguous()
+                    .unwrap()
+                    .matmul(&b.contiguous().unwrap())
+                    .unwrap();
+                for ours in [matmul(&a, &b).unwrap(), matmul_serial(&a, &b).unwrap()] {
+                    assert_eq!(ours.dims(), theirs.dims());
+                    close(&ours, &theirs, 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_items_in_parallel_equal_one_at_a_time() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (16, 33, 8), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (16, 8, 29), &dev).unwrap();
+        let together = matmul(&x, &y).unwrap();
+        for i in 0..16 {
+            let alone = matmul(&x.get(i).unwrap(), &y.get(i).unwrap()).unwrap();
+            close(&together.get(i).unwrap(), &alone, 1e-6);
+        }
+    }
+
+    #[test]
+    fn add_product_adds_into_the_values_it_is_given() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (6, 5), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (7, 5), &dev).unwrap();
+        let base = Tensor::randn(0f32, 1.0, (6, 7), &dev).unwrap();
+        for threads in [Threads::All, Threads::One] {
+            let mut values = base.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            add_product(&mut values, &x, &y.t().unwrap(), threads).unwrap();
+            let ours = Tensor::from_vec(values, (6, 7), &dev).unwrap();
+            let expected = (&base + x.matmul(&y.t().unwrap()).unwrap()).unwrap();
+            close(&ours, &expected, 1e-5);
+        }
+        let mut short = vec![0f32; 41];
+        assert!(add_product(&mut short, &x, &y.t().unwrap(), Threads::All).is_err());
+        let mut wrong_type = vec![0f64; 42];
+        assert!(add_product(&mut wrong_type, &x, &y.t().unwrap(), Threads::All).is_err());
+    }
+
+    #[test]
+    fn empty_and_mismatched_shapes() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((4, 0), DType::F32, &dev).unwrap();
+        let y = Tensor::zeros((0, 3), DType::F32, &dev).unwrap();
+        let z = matmul(&x, &y).unwrap();
+        assert_eq!(z.dims(), &[4, 3]);
+        assert_eq!(z.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+        let w = Tensor::zeros((5, 3), DType::F32, &dev).unwrap();
+        assert!(matmul(&x, &w).is_err());
+    }
+
+    #[test]
+    fn tensors_with_gradients_keep_autograd() {
+        let dev = Device::Cpu;
+        let x = candle_core::Var::new(&[[1f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+        let w = Tensor::new(&[[1f32, 0.5], [0.25, 2.0]], &dev).unwrap();
+        let y = matmul(x.as_tensor(), &w).unwrap();
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        let g = grads.get(x.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(g, vec![vec![1.5, 2.25], vec![1.5, 2.25]]);
+    }
+}
