@@ -9,9 +9,10 @@
 //! - [`add_product`] adds a product into values the caller already holds
 //!   (a LoRA delta into its projection's output, the input gradients of
 //!   several projections into one sum), instead of a product and an add.
-//! - A batch of small products (attention: one per row and KV head, e.g.
-//!   `[768, 64]·[64, 256]`) runs its products side by side, one per thread,
-//!   instead of one after another with every thread on each; and
+//! - A batch of at least as many small products as threads (attention: one
+//!   per row and KV head, e.g. `[768, 64]·[64, 256]`) runs its products side
+//!   by side, one per thread, instead of one after another with every thread
+//!   on each; and
 //!   [`Threads::One`] lets a caller do the same with products of its own
 //!   (each adapter segment's LoRA). Each such product is too small to keep two
 //!   threads busy, and the hand-off costs more than it saves.
@@ -19,7 +20,9 @@
 //! [`matmul`] sends anything else (another device or dtype, a tensor that
 //! records a gradient) to `Tensor::matmul`, so callers need no second path.
 
-use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor, WithDType,
+};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -29,7 +32,8 @@ pub enum Threads {
     /// rayon's whole pool.
     All,
     /// The calling thread only: for callers that run independent products
-    /// side by side themselves.
+    /// side by side themselves. (A tensor that records a gradient still goes
+    /// to `Tensor::matmul`, on every thread.)
     One,
 }
 
@@ -47,15 +51,46 @@ pub fn matmul_serial(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 fn product(a: &Tensor, b: &Tensor, threads: Threads) -> Result<Tensor> {
     let plain = a.device().is_cpu()
         && a.dtype() == b.dtype()
+        && matches!(a.dtype(), DType::F32 | DType::F64)
         && !a.track_op()
         && !b.track_op()
         && a.rank() >= 2
         && a.rank() == b.rank()
         && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2];
-    match a.dtype() {
-        DType::F32 if plain => tensor(product_values::<f32>(a, b, threads)?),
-        DType::F64 if plain => tensor(product_values::<f64>(a, b, threads)?),
-        _ => a.matmul(b),
+    if plain {
+        // Through candle's op machinery, which takes the storage locks
+        // re-entrantly: `a` and `b` may share storage (`x·xᵀ`).
+        a.apply_op2_no_bwd(b, &Product(threads))
+    } else {
+        a.matmul(b)
+    }
+}
+
+struct Product(Threads);
+
+impl CustomOp2 for Product {
+    fn name(&self) -> &'static str {
+        "gemm-product"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        a_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match (a, b) {
+            (CpuStorage::F32(x), CpuStorage::F32(y)) => {
+                let (values, shape) = values_of(x, a_layout, y, b_layout, self.0)?;
+                Ok((CpuStorage::F32(values), shape))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(y)) => {
+                let (values, shape) = values_of(x, a_layout, y, b_layout, self.0)?;
+                Ok((CpuStorage::F64(values), shape))
+            }
+            _ => candle_core::bail!("gemm: operands must both be f32 or both f64"),
+        }
     }
 }
 
@@ -65,6 +100,9 @@ pub fn tensor<T: WithDType>((values, shape): (Vec<T>, Shape)) -> Result<Tensor> 
 }
 
 /// `a·b` as row-major values of type `T` (the tensors' dtype), with its shape.
+/// No gradient is recorded. The operands' storages are read-locked one after
+/// the other (candle's `storage_and_layout`, not re-entrant), so `a` and `b`
+/// must not share storage that another thread may be writing (`Var::set`).
 pub fn product_values<T: WithDType>(
     a: &Tensor,
     b: &Tensor,
@@ -103,7 +141,7 @@ pub(crate) fn values_of<T: WithDType>(
 }
 
 /// `dst += a·b`, for `dst` the row-major values of a product of `a`'s and
-/// `b`'s shape.
+/// `b`'s shape. Locks as [`product_values`] does.
 pub fn add_product<T: WithDType>(
     dst: &mut [T],
     a: &Tensor,
@@ -196,8 +234,8 @@ impl<T> Out<T> {
     }
 }
 // SAFETY: each task writes only its own matrix of the output (see Plan::run).
-unsafe impl<T> Send for Out<T> {}
-unsafe impl<T> Sync for Out<T> {}
+unsafe impl<T: Send> Send for Out<T> {}
+unsafe impl<T: Send> Sync for Out<T> {}
 
 impl<'a, T: WithDType> Plan<'a, T> {
     fn new(a: &'a [T], a_layout: &'a Layout, b: &'a [T], b_layout: &'a Layout) -> Result<Self> {
@@ -355,7 +393,11 @@ mod tests {
         let together = matmul(&x, &y).unwrap();
         for i in 0..16 {
             let alone = matmul(&x.get(i).unwrap(), &y.get(i).unwrap()).unwrap();
-            close(&together.get(i).unwrap(), &alone, 1e-6);
+            // Bitwise: only the split over threads differs, never a sum's order.
+            assert_eq!(
+                together.get(i).unwrap().to_vec2::<f32>().unwrap(),
+                alone.to_vec2::<f32>().unwrap()
+            );
         }
     }
 

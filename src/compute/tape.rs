@@ -138,7 +138,10 @@ impl<'a> SegmentLora<'a> {
     ) -> Result<()> {
         let in_dim = x.dim(1)?;
         let parts = self.each_segment(dx.map(|dx| (dx, in_dim)), |k, seg, rows| {
-            let (Some(f), Some(u)) = (self.factors.get(&(k, key)), &shrunk[k]) else {
+            let (Some(f), Some(u)) = (
+                self.factors.get(&(k, key)),
+                shrunk.get(k).and_then(Option::as_ref),
+            ) else {
                 return Ok(None);
             };
             let dy = dy.narrow(0, seg.start, seg.len)?;
