@@ -53,10 +53,7 @@ fn product(a: &Tensor, b: &Tensor, threads: Threads) -> Result<Tensor> {
         && a.dtype() == b.dtype()
         && matches!(a.dtype(), DType::F32 | DType::F64)
         && !a.track_op()
-        && !b.track_op()
-        && a.rank() >= 2
-        && a.rank() == b.rank()
-        && a.dims()[..a.rank() - 2] == b.dims()[..b.rank() - 2];
+        && !b.track_op();
     if plain {
         // Through candle's op machinery, which takes the storage locks
         // re-entrantly: `a` and `b` may share storage (`x·xᵀ`).
@@ -80,17 +77,28 @@ impl CustomOp2 for Product {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        match (a, b) {
-            (CpuStorage::F32(x), CpuStorage::F32(y)) => {
-                let (values, shape) = values_of(x, a_layout, y, b_layout, self.0)?;
-                Ok((CpuStorage::F32(values), shape))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(y)) => {
-                let (values, shape) = values_of(x, a_layout, y, b_layout, self.0)?;
-                Ok((CpuStorage::F64(values), shape))
-            }
-            _ => candle_core::bail!("gemm: operands must both be f32 or both f64"),
+        storage_product(a, a_layout, b, b_layout, self.0)
+    }
+}
+
+/// `a·b` on the storages and layouts candle hands a `CustomOp` (f32 or f64).
+pub(crate) fn storage_product(
+    a: &CpuStorage,
+    a_layout: &Layout,
+    b: &CpuStorage,
+    b_layout: &Layout,
+    threads: Threads,
+) -> Result<(CpuStorage, Shape)> {
+    match (a, b) {
+        (CpuStorage::F32(x), CpuStorage::F32(y)) => {
+            let (values, shape) = Plan::new(x, a_layout, y, b_layout)?.values(threads);
+            Ok((CpuStorage::F32(values), shape))
         }
+        (CpuStorage::F64(x), CpuStorage::F64(y)) => {
+            let (values, shape) = Plan::new(x, a_layout, y, b_layout)?.values(threads);
+            Ok((CpuStorage::F64(values), shape))
+        }
+        _ => candle_core::bail!("gemm: operands must both be f32 or both f64"),
     }
 }
 
@@ -108,36 +116,7 @@ pub fn product_values<T: WithDType>(
     b: &Tensor,
     threads: Threads,
 ) -> Result<(Vec<T>, Shape)> {
-    let (a_storage, a_layout) = a.storage_and_layout();
-    let (b_storage, b_layout) = b.storage_and_layout();
-    let (Storage::Cpu(x), Storage::Cpu(y)) = (&*a_storage, &*b_storage) else {
-        candle_core::bail!("gemm: operands must be on the CPU")
-    };
-    let (x, y) = (T::cpu_storage_as_slice(x)?, T::cpu_storage_as_slice(y)?);
-    values_of(x, a_layout, y, b_layout, threads)
-}
-
-/// [`product_values`] on the values and layouts candle hands a `CustomOp`.
-pub(crate) fn values_of<T: WithDType>(
-    a: &[T],
-    a_layout: &Layout,
-    b: &[T],
-    b_layout: &Layout,
-    threads: Threads,
-) -> Result<(Vec<T>, Shape)> {
-    let plan = Plan::new(a, a_layout, b, b_layout)?;
-    let len = plan.shape.elem_count();
-    if plan.k == 0 || len == 0 {
-        return Ok((vec![T::from_f64(0.0); len], plan.shape));
-    }
-    let mut out: Vec<T> = Vec::with_capacity(len);
-    // SAFETY: `out` has room for the `len` values of the product; `run`
-    // writes every one of them (`read_dst` false) before `set_len`.
-    unsafe {
-        plan.run(out.as_mut_ptr(), false, threads);
-        out.set_len(len);
-    }
-    Ok((out, plan.shape))
+    with_plan(a, b, |plan| Ok(plan.values(threads)))
 }
 
 /// `dst += a·b`, for `dst` the row-major values of a product of `a`'s and
@@ -148,25 +127,36 @@ pub fn add_product<T: WithDType>(
     b: &Tensor,
     threads: Threads,
 ) -> Result<()> {
+    with_plan(a, b, |plan| {
+        if dst.len() != plan.shape.elem_count() {
+            candle_core::bail!(
+                "gemm: {} values to add a product of shape {:?} into",
+                dst.len(),
+                plan.shape
+            );
+        }
+        if plan.k > 0 && !dst.is_empty() {
+            // SAFETY: `dst` holds exactly the product's values, initialised.
+            unsafe { plan.run(dst.as_mut_ptr(), true, threads) };
+        }
+        Ok(())
+    })
+}
+
+/// `f` on the checked product of two CPU tensors of type `T`, their storages
+/// read-locked meanwhile.
+fn with_plan<T: WithDType, R>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce(Plan<T>) -> Result<R>,
+) -> Result<R> {
     let (a_storage, a_layout) = a.storage_and_layout();
     let (b_storage, b_layout) = b.storage_and_layout();
     let (Storage::Cpu(x), Storage::Cpu(y)) = (&*a_storage, &*b_storage) else {
         candle_core::bail!("gemm: operands must be on the CPU")
     };
     let (x, y) = (T::cpu_storage_as_slice(x)?, T::cpu_storage_as_slice(y)?);
-    let plan = Plan::new(x, a_layout, y, b_layout)?;
-    if dst.len() != plan.shape.elem_count() {
-        candle_core::bail!(
-            "gemm: {} values to add a product of shape {:?} into",
-            dst.len(),
-            plan.shape
-        );
-    }
-    if plan.k > 0 && !dst.is_empty() {
-        // SAFETY: `dst` holds exactly the product's values, initialised.
-        unsafe { plan.run(dst.as_mut_ptr(), true, threads) };
-    }
-    Ok(())
+    f(Plan::new(x, a_layout, y, b_layout)?)
 }
 
 /// One operand: its values and layout.
@@ -272,6 +262,22 @@ impl<'a, T: WithDType> Plan<'a, T> {
             n,
             shape: Shape::from(out_dims),
         })
+    }
+
+    /// The product as fresh row-major values, with its shape.
+    fn values(self, threads: Threads) -> (Vec<T>, Shape) {
+        let len = self.shape.elem_count();
+        if self.k == 0 || len == 0 {
+            return (vec![T::from_f64(0.0); len], self.shape);
+        }
+        let mut out: Vec<T> = Vec::with_capacity(len);
+        // SAFETY: `out` has room for the `len` values of the product; `run`
+        // writes every one of them (`read_dst` false) before `set_len`.
+        unsafe {
+            self.run(out.as_mut_ptr(), false, threads);
+            out.set_len(len);
+        }
+        (out, self.shape)
     }
 
     /// Writes (or with `read_dst` adds) the product into `dst`.

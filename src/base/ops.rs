@@ -74,13 +74,10 @@ impl CustomOp2 for FrozenMatmul {
                     .map_err(candle_core::Error::Msg)?;
                 CpuStorage::F32(y)
             }
-            (CpuStorage::F32(x), CpuStorage::F32(w), ..) => {
+            (CpuStorage::F32(_), CpuStorage::F32(_), ..)
+            | (CpuStorage::F64(_), CpuStorage::F64(_), ..) => {
                 let w_t = w_layout.transpose(0, 1)?;
-                CpuStorage::F32(gemm::values_of(x, x_layout, w, &w_t, Threads::All)?.0)
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w), ..) => {
-                let w_t = w_layout.transpose(0, 1)?;
-                CpuStorage::F64(gemm::values_of(x, x_layout, w, &w_t, Threads::All)?.0)
+                gemm::storage_product(x, x_layout, w, &w_t, Threads::All)?.0
             }
             _ => x.matmul(w, (1, m, n, k), x_layout, &w_layout.transpose(0, 1)?)?,
         };
