@@ -143,6 +143,40 @@ pub fn add_product<T: WithDType>(
     })
 }
 
+/// `a·b` written over `dst`, whose allocation is kept (it is resized to the
+/// product's length); returns the product's shape. For a caller that forms
+/// same-sized products over and over (the LM head's logits, 100 MB a chunk):
+/// a fresh allocation that large is mapped anew each time, and the kernel
+/// faults in and zeroes every page of it. Locks as [`product_values`] does.
+pub fn write_product<T: WithDType>(
+    dst: &mut Vec<T>,
+    a: &Tensor,
+    b: &Tensor,
+    threads: Threads,
+) -> Result<Shape> {
+    with_plan(a, b, |plan| Ok(plan.write_into(dst, threads)))
+}
+
+/// [`product_values`] for a left operand given as row-major values of shape
+/// `[m, k]`.
+pub fn values_product<T: WithDType>(
+    a: &[T],
+    (m, k): (usize, usize),
+    b: &Tensor,
+    threads: Threads,
+) -> Result<(Vec<T>, Shape)> {
+    if m.checked_mul(k) != Some(a.len()) {
+        candle_core::bail!("gemm: {} values for a [{m}, {k}] operand", a.len());
+    }
+    let a_layout = Layout::contiguous((m, k));
+    let (b_storage, b_layout) = b.storage_and_layout();
+    let Storage::Cpu(y) = &*b_storage else {
+        candle_core::bail!("gemm: operands must be on the CPU")
+    };
+    let y = T::cpu_storage_as_slice(y)?;
+    Ok(Plan::new(a, &a_layout, y, b_layout)?.values(threads))
+}
+
 /// `f` on the checked product of two CPU tensors of type `T`, their storages
 /// read-locked meanwhile.
 fn with_plan<T: WithDType, R>(
@@ -266,18 +300,28 @@ impl<'a, T: WithDType> Plan<'a, T> {
 
     /// The product as fresh row-major values, with its shape.
     fn values(self, threads: Threads) -> (Vec<T>, Shape) {
+        let mut out = Vec::new();
+        let shape = self.write_into(&mut out, threads);
+        (out, shape)
+    }
+
+    /// Replaces `dst`'s values with the product's, row-major; returns its shape.
+    fn write_into(self, dst: &mut Vec<T>, threads: Threads) -> Shape {
         let len = self.shape.elem_count();
+        dst.clear();
         if self.k == 0 || len == 0 {
-            return (vec![T::from_f64(0.0); len], self.shape);
+            dst.resize(len, T::from_f64(0.0));
+            return self.shape;
         }
-        let mut out: Vec<T> = Vec::with_capacity(len);
-        // SAFETY: `out` has room for the `len` values of the product; `run`
-        // writes every one of them (`read_dst` false) before `set_len`.
+        dst.reserve(len);
+        // SAFETY: `dst` is empty with room for the `len` values of the
+        // product; `run` writes every one of them (`read_dst` false) before
+        // `set_len`.
         unsafe {
-            self.run(out.as_mut_ptr(), false, threads);
-            out.set_len(len);
+            self.run(dst.as_mut_ptr(), false, threads);
+            dst.set_len(len);
         }
-        (out, self.shape)
+        self.shape
     }
 
     /// Writes (or with `read_dst` adds) the product into `dst`.
@@ -424,6 +468,33 @@ mod tests {
         assert!(add_product(&mut short, &x, &y.t().unwrap(), Threads::All).is_err());
         let mut wrong_type = vec![0f64; 42];
         assert!(add_product(&mut wrong_type, &x, &y.t().unwrap(), Threads::All).is_err());
+    }
+
+    #[test]
+    fn write_product_reuses_its_buffer_and_values_product_reads_plain_values() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (6, 5), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (7, 5), &dev).unwrap();
+        let expected = x.matmul(&y.t().unwrap()).unwrap();
+        // Longer than the product, with stale values in it.
+        let mut buffer = vec![f32::NAN; 100];
+        let address = buffer.as_ptr();
+        let shape = write_product(&mut buffer, &x, &y.t().unwrap(), Threads::All).unwrap();
+        assert_eq!(shape.dims(), &[6, 7]);
+        assert_eq!(buffer.as_ptr(), address, "the allocation is reused");
+        let ours = Tensor::from_vec(buffer.clone(), (6, 7), &dev).unwrap();
+        close(&ours, &expected, 1e-5);
+
+        let (values, shape) = values_product(&buffer, (6, 7), &y, Threads::One).unwrap();
+        let again = expected.matmul(&y).unwrap();
+        close(&gemm_tensor(values, shape), &again, 1e-4);
+        assert!(values_product(&buffer[..41], (6, 7), &y, Threads::All).is_err());
+        assert!(values_product(&[0f32; 43], (6, 7), &y, Threads::All).is_err());
+        assert!(values_product(&buffer, (7, 6), &y, Threads::All).is_err());
+    }
+
+    fn gemm_tensor(values: Vec<f32>, shape: Shape) -> Tensor {
+        tensor((values, shape)).unwrap()
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! parallel over rows, where candle would chain several single-pass ops and
 //! allocate a tensor for each.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use candle_core::{bail, Device, Error, Result, Shape, Storage, StorageRef, Tensor, WithDType};
@@ -137,6 +138,51 @@ fn tensor<T: Real>(values: Vec<T>, shape: impl Into<Shape>) -> Result<Tensor> {
     Tensor::from_vec(values, shape, &Device::Cpu)
 }
 
+/// A kernel's output of `len` values, computed piece by piece in parallel:
+/// `fill(i, piece)` writes the `i`th `chunk` values. The allocation is not
+/// zeroed as a whole first: `vec![0; len]` is a memset on one thread over
+/// the whole output, since freed memory is reused rather than fresh from the
+/// kernel (see the binary's `keep_freed_memory`). Each piece is zeroed by the
+/// thread that then fills it, while it is in cache.
+fn filled<T: Real>(len: usize, chunk: usize, fill: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .enumerate()
+        .for_each(|(i, piece)| fill(i, zeroed(piece)));
+    // SAFETY: the pieces cover the first `len` values; `zeroed` initialised each.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// [`filled`] for a kernel with two outputs of `len` values each.
+fn filled_pair<T: Real>(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [T], &mut [T]) + Sync,
+) -> (Vec<T>, Vec<T>) {
+    let (mut a, mut b) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    a.spare_capacity_mut()[..len]
+        .par_chunks_mut(chunk.max(1))
+        .zip(b.spare_capacity_mut()[..len].par_chunks_mut(chunk.max(1)))
+        .enumerate()
+        .for_each(|(i, (pa, pb))| fill(i, zeroed(pa), zeroed(pb)));
+    // SAFETY: as in `filled`, for each of the two.
+    unsafe {
+        a.set_len(len);
+        b.set_len(len);
+    }
+    (a, b)
+}
+
+/// `piece` set to zeros, as values.
+fn zeroed<T: Real>(piece: &mut [MaybeUninit<T>]) -> &mut [T] {
+    piece.fill(MaybeUninit::new(T::ZERO));
+    // SAFETY: every element was just initialised, and `MaybeUninit<T>` has
+    // the layout of `T`.
+    unsafe { &mut *(piece as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
 fn last_dim(t: &Tensor) -> Result<usize> {
     t.dims()
         .last()
@@ -165,15 +211,13 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let (xv, wv) = (View::of(x)?, View::of(w)?);
     let (xs, ws) = (xv.values::<T>()?, wv.values::<T>()?);
     check_len("RMSNorm weight", ws.len(), d)?;
-    let mut out = vec![T::ZERO; xs.len()];
-    out.par_chunks_mut(d)
-        .zip(xs.par_chunks(d))
-        .for_each(|(y, x)| {
-            let r = inverse_rms(x, eps);
-            for ((y, &x), &w) in y.iter_mut().zip(x).zip(ws) {
-                *y = x * r * w;
-            }
-        });
+    let out = filled(xs.len(), d, |i, y| {
+        let x = &xs[i * d..][..d];
+        let r = inverse_rms(x, eps);
+        for ((y, &x), &w) in y.iter_mut().zip(x).zip(ws) {
+            *y = x * r * w;
+        }
+    });
     tensor(out, x.shape())
 }
 
@@ -191,26 +235,31 @@ pub fn rms_norm_backward<T: Real>(
     let (xs, ws, gs) = (xv.values::<T>()?, wv.values::<T>()?, gv.values::<T>()?);
     check_len("RMSNorm weight", ws.len(), d)?;
     check_len("RMSNorm gradient", gs.len(), xs.len())?;
-    let mut out = match residual {
-        Some(r) => View::of(r)?.values::<T>()?.to_vec(),
-        None => vec![T::ZERO; xs.len()],
+    let rv = residual.map(View::of).transpose()?;
+    let rs = match &rv {
+        Some(rv) => rv.values::<T>()?,
+        None => &[],
     };
-    check_len("RMSNorm residual", out.len(), xs.len())?;
+    if residual.is_some() {
+        check_len("RMSNorm residual", rs.len(), xs.len())?;
+    }
     let n = T::from_f64(d as f64);
-    out.par_chunks_mut(d)
-        .zip(xs.par_chunks(d).zip(gs.par_chunks(d)))
-        .for_each(|(dx, (x, g))| {
-            let r = inverse_rms(x, eps);
-            let dot = x
-                .iter()
-                .zip(g)
-                .zip(ws)
-                .fold(T::ZERO, |s, ((&x, &g), &w)| s + g * w * x * r);
-            let mean = dot / n;
-            for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(ws) {
-                *dx += r * (g * w - x * r * mean);
-            }
-        });
+    let out = filled(xs.len(), d, |i, dx| {
+        let (x, g) = (&xs[i * d..][..d], &gs[i * d..][..d]);
+        if !rs.is_empty() {
+            dx.copy_from_slice(&rs[i * d..][..d]);
+        }
+        let r = inverse_rms(x, eps);
+        let dot = x
+            .iter()
+            .zip(g)
+            .zip(ws)
+            .fold(T::ZERO, |s, ((&x, &g), &w)| s + g * w * x * r);
+        let mean = dot / n;
+        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(ws) {
+            *dx += r * (g * w - x * r * mean);
+        }
+    });
     tensor(out, x.shape())
 }
 
@@ -250,23 +299,20 @@ pub fn rope_heads<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, s: Heads) -> 
     let (xv, cv, sv) = (View::of(x)?, View::of(cos)?, View::of(sin)?);
     let (xs, cs, ss) = (xv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
     s.check(xs, cs, ss)?;
-    let mut out = vec![T::ZERO; xs.len()];
     // One chunk per (row, head): n·hd output values.
-    out.par_chunks_mut(s.n * hd)
-        .enumerate()
-        .for_each(|(rh, y)| {
-            let (r, h) = (rh / s.heads, rh % s.heads);
-            for (i, y) in y.chunks_mut(hd).enumerate() {
-                let src = ((r * s.n + i) * s.heads + h) * hd;
-                let trig = (r * s.n + i) * half;
-                for j in 0..half {
-                    let (x1, x2) = (xs[src + j], xs[src + half + j]);
-                    let (c, sn) = (cs[trig + j], ss[trig + j]);
-                    y[j] = x1 * c - x2 * sn;
-                    y[half + j] = x2 * c + x1 * sn;
-                }
+    let out = filled(xs.len(), s.n * hd, |rh, y| {
+        let (r, h) = (rh / s.heads, rh % s.heads);
+        for (i, y) in y.chunks_mut(hd).enumerate() {
+            let src = ((r * s.n + i) * s.heads + h) * hd;
+            let trig = (r * s.n + i) * half;
+            for j in 0..half {
+                let (x1, x2) = (xs[src + j], xs[src + half + j]);
+                let (c, sn) = (cs[trig + j], ss[trig + j]);
+                y[j] = x1 * c - x2 * sn;
+                y[half + j] = x2 * c + x1 * sn;
             }
-        });
+        }
+    });
     tensor(out, (s.rows, s.heads, s.n, hd))
 }
 
@@ -282,23 +328,20 @@ pub fn rope_heads_backward<T: Real>(
     let (gv, cv, sv) = (View::of(g)?, View::of(cos)?, View::of(sin)?);
     let (gs, cs, ss) = (gv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
     s.check(gs, cs, ss)?;
-    let mut out = vec![T::ZERO; gs.len()];
     // One chunk per token (row, i): heads·hd output values.
-    out.par_chunks_mut(s.heads * hd)
-        .enumerate()
-        .for_each(|(ri, y)| {
-            let (r, i) = (ri / s.n, ri % s.n);
-            let trig = ri * half;
-            for (h, y) in y.chunks_mut(hd).enumerate() {
-                let src = ((r * s.heads + h) * s.n + i) * hd;
-                for j in 0..half {
-                    let (g1, g2) = (gs[src + j], gs[src + half + j]);
-                    let (c, sn) = (cs[trig + j], ss[trig + j]);
-                    y[j] = g1 * c + g2 * sn;
-                    y[half + j] = g2 * c - g1 * sn;
-                }
+    let out = filled(gs.len(), s.heads * hd, |ri, y| {
+        let (r, i) = (ri / s.n, ri % s.n);
+        let trig = ri * half;
+        for (h, y) in y.chunks_mut(hd).enumerate() {
+            let src = ((r * s.heads + h) * s.n + i) * hd;
+            for j in 0..half {
+                let (g1, g2) = (gs[src + j], gs[src + half + j]);
+                let (c, sn) = (cs[trig + j], ss[trig + j]);
+                y[j] = g1 * c + g2 * sn;
+                y[half + j] = g2 * c - g1 * sn;
             }
-        });
+        }
+    });
     tensor(out, (s.rows * s.n, s.heads * hd))
 }
 
@@ -321,23 +364,20 @@ pub fn masked_softmax<T: Real>(scores: &Tensor, mask: &Tensor, scale: f64) -> Re
     check_len("scores", ss.len(), rows * per_row)?;
     check_len("mask", ms.len(), rows * n * slots)?;
     let scale = T::from_f64(scale);
-    let mut out = vec![T::ZERO; ss.len()];
-    out.par_chunks_mut(slots)
-        .zip(ss.par_chunks(slots))
-        .enumerate()
-        .for_each(|(q, (p, s))| {
-            let (r, i) = (q * slots / per_row, q % n);
-            let m = &ms[(r * n + i) * slots..][..slots];
-            let mut max = T::from_f64(f64::NEG_INFINITY);
-            for ((p, &s), &m) in p.iter_mut().zip(s).zip(m) {
-                *p = scale * s + m;
-                max = if *p > max { *p } else { max };
-            }
-            // exp in a loop of its own, without the sum, so that it vectorises.
-            p.iter_mut().for_each(|p| *p = (*p - max).exp());
-            let sum = p.iter().fold(T::ZERO, |sum, &p| sum + p);
-            p.iter_mut().for_each(|p| *p /= sum);
-        });
+    let out = filled(ss.len(), slots, |q, p| {
+        let (r, i) = (q * slots / per_row, q % n);
+        let s = &ss[q * slots..][..slots];
+        let m = &ms[(r * n + i) * slots..][..slots];
+        let mut max = T::from_f64(f64::NEG_INFINITY);
+        for ((p, &s), &m) in p.iter_mut().zip(s).zip(m) {
+            *p = scale * s + m;
+            max = if *p > max { *p } else { max };
+        }
+        // exp in a loop of its own, without the sum, so that it vectorises.
+        p.iter_mut().for_each(|p| *p = (*p - max).exp());
+        let sum = p.iter().fold(T::ZERO, |sum, &p| sum + p);
+        p.iter_mut().for_each(|p| *p /= sum);
+    });
     tensor(out, scores.shape())
 }
 
@@ -349,60 +389,53 @@ pub fn masked_softmax_backward<T: Real>(p: &Tensor, g: &Tensor, scale: f64) -> R
     let (ps, gs) = (pv.values::<T>()?, gv.values::<T>()?);
     check_len("softmax gradient", gs.len(), ps.len())?;
     let scale = T::from_f64(scale);
-    let mut out = vec![T::ZERO; ps.len()];
-    out.par_chunks_mut(slots)
-        .zip(ps.par_chunks(slots).zip(gs.par_chunks(slots)))
-        .for_each(|(d, (p, g))| {
-            let dot = p.iter().zip(g).fold(T::ZERO, |s, (&p, &g)| s + p * g);
-            for ((d, &p), &g) in d.iter_mut().zip(p).zip(g) {
-                *d = scale * p * (g - dot);
-            }
-        });
+    let out = filled(ps.len(), slots, |i, d| {
+        let (p, g) = (&ps[i * slots..][..slots], &gs[i * slots..][..slots]);
+        let dot = p.iter().zip(g).fold(T::ZERO, |s, (&p, &g)| s + p * g);
+        for ((d, &p), &g) in d.iter_mut().zip(p).zip(g) {
+            *d = scale * p * (g - dot);
+        }
+    });
     tensor(out, p.shape())
 }
 
-/// For `logits` `[n, vocab]` and one target token per row: each row's
-/// `log softmax(logits)[target]`, and the gradient at the logits of a loss
-/// whose derivative with respect to row `i`'s log-prob is `dloss(i, logp)`:
+/// For `logits`, the row-major values of `[n, vocab]` with one target token
+/// per row: each row's `log softmax(logits)[target]`; the logits are
+/// overwritten with the gradient of a loss whose derivative with respect to
+/// row `i`'s log-prob is `dloss(i, logp)`:
 /// `g·(onehot(target) − softmax(logits))`, `g = dloss(i, logp)`.
 pub fn target_logprob_grad<T: Real>(
-    logits: &Tensor,
+    logits: &mut [T],
     targets: &[u32],
     dloss: impl Fn(usize, f64) -> f64 + Sync,
-) -> Result<(Vec<f64>, Tensor)> {
-    let vocab = last_dim(logits)?;
-    if targets.len() * vocab != logits.elem_count() {
-        bail!("{} targets for logits {:?}", targets.len(), logits.shape())
+) -> Result<Vec<f64>> {
+    if targets.is_empty() || logits.is_empty() || !logits.len().is_multiple_of(targets.len()) {
+        bail!("{} targets for {} logits", targets.len(), logits.len())
     }
+    let vocab = logits.len() / targets.len();
     if let Some(t) = targets.iter().find(|&&t| t as usize >= vocab) {
         bail!("target token {t} outside the vocabulary of {vocab}")
     }
-    let lv = View::of(logits)?;
-    let ls = lv.values::<T>()?;
-    let mut grad = vec![T::ZERO; ls.len()];
-    let logps = grad
+    Ok(logits
         .par_chunks_mut(vocab)
-        .zip(ls.par_chunks(vocab))
         .enumerate()
-        .map(|(i, (z, l))| {
-            let max = l
+        .map(|(i, z)| {
+            let max = z
                 .iter()
                 .copied()
-                .fold(l[0], |m, v| if v > m { v } else { m });
-            for (z, &l) in z.iter_mut().zip(l) {
-                *z = (l - max).exp();
-            }
-            let sum = z.iter().fold(0f64, |sum, z| sum + z.to_f64());
+                .fold(z[0], |m, v| if v > m { v } else { m });
             let target = targets[i] as usize;
-            let logp = (l[target] - max).to_f64() - sum.ln();
+            let target_logit = z[target];
+            z.iter_mut().for_each(|z| *z = (*z - max).exp());
+            let sum = z.iter().fold(0f64, |sum, z| sum + z.to_f64());
+            let logp = (target_logit - max).to_f64() - sum.ln();
             let g = dloss(i, logp);
             let scale = T::from_f64(-g / sum);
             z.iter_mut().for_each(|z| *z *= scale);
             z[target] += T::from_f64(g);
             logp
         })
-        .collect();
-    Ok((logps, tensor(grad, logits.shape())?))
+        .collect())
 }
 
 /// The LoRA delta of single-token rows (a decode step) against a batch's
@@ -484,14 +517,12 @@ pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (gv, uv) = (View::of(gate)?, View::of(up)?);
     let (gs, us) = (gv.values::<T>()?, uv.values::<T>()?);
     check_len("SwiGLU up", us.len(), gs.len())?;
-    let mut out = vec![T::ZERO; gs.len()];
-    out.par_chunks_mut(CHUNK)
-        .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)))
-        .for_each(|(y, (g, u))| {
-            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                *y = g * sigmoid(g) * u;
-            }
-        });
+    let out = filled(gs.len(), CHUNK, |i, y| {
+        let (g, u) = (&gs[i * CHUNK..], &us[i * CHUNK..]);
+        for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+            *y = g * sigmoid(g) * u;
+        }
+    });
     tensor(out, gate.shape())
 }
 
@@ -506,21 +537,15 @@ pub fn swiglu_backward<T: Real>(
     let (gs, us, ds) = (gv.values::<T>()?, uv.values::<T>()?, dv.values::<T>()?);
     check_len("SwiGLU up", us.len(), gs.len())?;
     check_len("SwiGLU gradient", ds.len(), gs.len())?;
-    let mut d_gate = vec![T::ZERO; gs.len()];
-    let mut d_up = vec![T::ZERO; gs.len()];
-    d_gate
-        .par_chunks_mut(CHUNK)
-        .zip(d_up.par_chunks_mut(CHUNK))
-        .zip(gs.par_chunks(CHUNK).zip(us.par_chunks(CHUNK)))
-        .zip(ds.par_chunks(CHUNK))
-        .for_each(|(((dg, du), (g, u)), d)| {
-            let values = dg.iter_mut().zip(du).zip(g.iter().zip(u).zip(d));
-            for ((dg, du), ((&g, &u), &d)) in values {
-                let s = sigmoid(g);
-                *dg = d * u * s * (T::ONE + g * (T::ONE - s));
-                *du = d * g * s;
-            }
-        });
+    let (d_gate, d_up) = filled_pair(gs.len(), CHUNK, |i, dg, du| {
+        let (g, u, d) = (&gs[i * CHUNK..], &us[i * CHUNK..], &ds[i * CHUNK..]);
+        let values = dg.iter_mut().zip(du).zip(g.iter().zip(u).zip(d));
+        for ((dg, du), ((&g, &u), &d)) in values {
+            let s = sigmoid(g);
+            *dg = d * u * s * (T::ONE + g * (T::ONE - s));
+            *du = d * g * s;
+        }
+    });
     Ok((tensor(d_gate, gate.shape())?, tensor(d_up, gate.shape())?))
 }
 
@@ -620,8 +645,10 @@ mod tests {
         let logits = randn(&[3, 7]);
         let targets = [4u32, 0, 6];
         let weights = [0.5, -2.0, 1.5];
-        let (logps, grad) =
-            target_logprob_grad::<f64>(&logits, &targets, |i, _| weights[i]).unwrap();
+        let values = || logits.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let mut grad = values();
+        let logps = target_logprob_grad::<f64>(&mut grad, &targets, |i, _| weights[i]).unwrap();
+        let grad = Tensor::from_vec(grad, logits.shape(), &Device::Cpu).unwrap();
         let picked = |l: &Tensor| {
             candle_nn::ops::log_softmax(l, D::Minus1)
                 .unwrap()
@@ -642,7 +669,10 @@ mod tests {
         }
         let w = Tensor::new(&weights, &Device::Cpu).unwrap();
         assert!(max_abs_diff(&grad, &plain_grad(&logits, &w, picked)) < 1e-12);
-        assert!(target_logprob_grad::<f64>(&logits, &[4, 0, 7], |_, _| 1.0).is_err());
+        for bad_targets in [&[4, 0, 7][..], &[4, 0], &[]] {
+            let result = target_logprob_grad::<f64>(&mut values(), bad_targets, |_, _| 1.0);
+            assert!(result.is_err(), "{bad_targets:?}");
+        }
     }
 
     #[test]

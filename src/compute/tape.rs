@@ -286,7 +286,7 @@ pub fn forward<T: Real>(
 }
 
 /// Scored rows per chunk of the LM head (512: a `[512, 49152]` f32 logits
-/// block and its gradient are 100 MB each; the head's two GEMMs ran at
+/// block is 100 MB, and its gradient overwrites it; the head's two GEMMs ran at
 /// 208–219 GFLOP/s with 512 rows against 166–189 with 256).
 const HEAD_CHUNK_ROWS: usize = 512;
 
@@ -305,17 +305,23 @@ pub fn head<T: Real>(
     let eps = model.config.rms_norm_eps;
     let hidden = top.index_select(index, 0)?;
     let normed = kernels::rms_norm::<T>(&hidden, &model.final_norm, eps)?;
+    let vocab = model.lm_head.dim(0)?;
     let mut logps = Vec::with_capacity(targets.len());
     let mut d_normed = Vec::new();
+    // One buffer for every chunk's logits, overwritten by their gradient.
+    let mut logits = Vec::new();
     for start in (0..targets.len()).step_by(HEAD_CHUNK_ROWS) {
         let len = HEAD_CHUNK_ROWS.min(targets.len() - start);
-        let logits = gemm::matmul(&normed.narrow(0, start, len)?, &model.lm_head.t()?)?;
-        let (lp, d_logits) =
-            kernels::target_logprob_grad::<T>(&logits, &targets[start..start + len], |i, lp| {
-                dloss(start + i, lp)
-            })?;
+        let rows = normed.narrow(0, start, len)?;
+        gemm::write_product::<T>(&mut logits, &rows, &model.lm_head.t()?, Threads::All)?;
+        let lp = kernels::target_logprob_grad::<T>(
+            &mut logits,
+            &targets[start..start + len],
+            |i, lp| dloss(start + i, lp),
+        )?;
         logps.extend(lp);
-        d_normed.push(gemm::matmul(&d_logits, &model.lm_head)?);
+        let d_rows = gemm::values_product(&logits, (len, vocab), &model.lm_head, Threads::All)?;
+        d_normed.push(gemm::tensor(d_rows)?);
     }
     if d_normed.is_empty() {
         return Ok((logps, top.zeros_like()?));
