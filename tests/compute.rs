@@ -388,6 +388,71 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
     }
 }
 
+/// The LM head forms its logits in chunks of 512 scored positions, in one
+/// buffer reused from chunk to chunk: a step whose one micro-batch scores more
+/// than 1,024 positions (three chunks, the last one short) must give the same
+/// log-probs and gradients as the same rows split into micro-batches of one
+/// chunk each.
+#[test]
+fn train_step_does_not_depend_on_head_chunks_or_micro_batches() {
+    let model = tiny_model().to_dtype(DType::F64).unwrap();
+    let adapters = [
+        random_adapter(&model, 40, DType::F64),
+        random_adapter(&model, 41, DType::F64),
+    ];
+    let set = AdapterSet::new()
+        .with(0, &adapters[0])
+        .with(1, &adapters[1]);
+    let mut rng = keyed_stream!(2, "rows");
+    let rows: Vec<TrainRow> = (0..6u64)
+        .map(|i| {
+            let len = 190 + 7 * i as usize;
+            TrainRow {
+                adapter: i % 2,
+                tokens: (0..len).map(|_| rng.random_range(0..256)).collect(),
+                loss_mask: (0..len).map(|t| t >= 3).collect(),
+                advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
+                old_logprobs: (0..len).map(|_| rng.random_range(-6.0f32..-4.0)).collect(),
+            }
+        })
+        .collect();
+    let step = |token_budget| {
+        let config = TrainConfig {
+            clip: 0.2,
+            token_budget,
+        };
+        compute::train_step(&model, &set, &rows, config).unwrap()
+    };
+    let (whole, split) = (step(4096), step(256));
+    assert_eq!((whole.micro_batches, split.micro_batches), (1, 6));
+    for (id, stats) in &whole.stats {
+        let other = &split.stats[id];
+        assert!(
+            (stats.loss - other.loss).abs() < 1e-12,
+            "{stats:?} {other:?}"
+        );
+        assert!((stats.mean_ratio - other.mean_ratio).abs() < 1e-12);
+        assert_eq!(stats.tokens, other.tokens);
+    }
+    for (id, grads) in &whole.grads {
+        for (key, (ga, gb)) in grads {
+            let (sa, sb) = &split.grads[id][key];
+            for (g, s) in [(ga, sa), (gb, sb)] {
+                let diff = (g - s).unwrap().abs().unwrap().max_all().unwrap();
+                let scale = g.abs().unwrap().max_all().unwrap();
+                let (diff, scale) = (
+                    diff.to_scalar::<f64>().unwrap(),
+                    scale.to_scalar::<f64>().unwrap(),
+                );
+                assert!(
+                    diff <= 1e-10 * scale.max(1e-3),
+                    "adapter {id} {key:?}: {diff} of {scale}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_rows_are_errors_not_panics() {
     let model = tiny_model();

@@ -157,9 +157,9 @@ pub fn write_product<T: WithDType>(
     with_plan(a, b, |plan| Ok(plan.write_into(dst, threads)))
 }
 
-/// [`product_values`] for a left operand given as row-major values of shape
-/// `[m, k]`.
-pub fn values_product<T: WithDType>(
+/// [`product_values`] for a left operand given as a slice: row-major values
+/// of shape `[m, k]`.
+pub fn slice_product<T: WithDType>(
     a: &[T],
     (m, k): (usize, usize),
     b: &Tensor,
@@ -170,10 +170,7 @@ pub fn values_product<T: WithDType>(
     }
     let a_layout = Layout::contiguous((m, k));
     let (b_storage, b_layout) = b.storage_and_layout();
-    let Storage::Cpu(y) = &*b_storage else {
-        candle_core::bail!("gemm: operands must be on the CPU")
-    };
-    let y = T::cpu_storage_as_slice(y)?;
+    let y = cpu_values::<T>(&b_storage)?;
     Ok(Plan::new(a, &a_layout, y, b_layout)?.values(threads))
 }
 
@@ -186,11 +183,16 @@ fn with_plan<T: WithDType, R>(
 ) -> Result<R> {
     let (a_storage, a_layout) = a.storage_and_layout();
     let (b_storage, b_layout) = b.storage_and_layout();
-    let (Storage::Cpu(x), Storage::Cpu(y)) = (&*a_storage, &*b_storage) else {
-        candle_core::bail!("gemm: operands must be on the CPU")
-    };
-    let (x, y) = (T::cpu_storage_as_slice(x)?, T::cpu_storage_as_slice(y)?);
+    let (x, y) = (cpu_values::<T>(&a_storage)?, cpu_values::<T>(&b_storage)?);
     f(Plan::new(x, a_layout, y, b_layout)?)
+}
+
+/// The values of a CPU storage of type `T`.
+fn cpu_values<T: WithDType>(storage: &Storage) -> Result<&[T]> {
+    match storage {
+        Storage::Cpu(values) => T::cpu_storage_as_slice(values),
+        _ => candle_core::bail!("gemm: operands must be on the CPU"),
+    }
 }
 
 /// One operand: its values and layout.
@@ -313,7 +315,7 @@ impl<'a, T: WithDType> Plan<'a, T> {
             dst.resize(len, T::from_f64(0.0));
             return self.shape;
         }
-        dst.reserve(len);
+        dst.reserve_exact(len);
         // SAFETY: `dst` is empty with room for the `len` values of the
         // product; `run` writes every one of them (`read_dst` false) before
         // `set_len`.
@@ -471,7 +473,7 @@ mod tests {
     }
 
     #[test]
-    fn write_product_reuses_its_buffer_and_values_product_reads_plain_values() {
+    fn write_product_reuses_its_buffer_and_slice_product_reads_a_slice() {
         let dev = Device::Cpu;
         let x = Tensor::randn(0f32, 1.0, (6, 5), &dev).unwrap();
         let y = Tensor::randn(0f32, 1.0, (7, 5), &dev).unwrap();
@@ -482,15 +484,22 @@ mod tests {
         let shape = write_product(&mut buffer, &x, &y.t().unwrap(), Threads::All).unwrap();
         assert_eq!(shape.dims(), &[6, 7]);
         assert_eq!(buffer.as_ptr(), address, "the allocation is reused");
+        let mismatched = Tensor::randn(0f32, 1.0, (4, 7), &dev).unwrap();
+        assert!(write_product(&mut buffer, &x, &mismatched, Threads::All).is_err());
+        assert_eq!(
+            buffer.len(),
+            42,
+            "a failed product leaves the buffer as it was"
+        );
         let ours = Tensor::from_vec(buffer.clone(), (6, 7), &dev).unwrap();
         close(&ours, &expected, 1e-5);
 
-        let (values, shape) = values_product(&buffer, (6, 7), &y, Threads::One).unwrap();
+        let (values, shape) = slice_product(&buffer, (6, 7), &y, Threads::One).unwrap();
         let again = expected.matmul(&y).unwrap();
         close(&gemm_tensor(values, shape), &again, 1e-4);
-        assert!(values_product(&buffer[..41], (6, 7), &y, Threads::All).is_err());
-        assert!(values_product(&[0f32; 43], (6, 7), &y, Threads::All).is_err());
-        assert!(values_product(&buffer, (7, 6), &y, Threads::All).is_err());
+        assert!(slice_product(&buffer[..41], (6, 7), &y, Threads::All).is_err());
+        assert!(slice_product(&[0f32; 43], (6, 7), &y, Threads::All).is_err());
+        assert!(slice_product(&buffer, (7, 6), &y, Threads::All).is_err());
     }
 
     fn gemm_tensor(values: Vec<f32>, shape: Shape) -> Tensor {

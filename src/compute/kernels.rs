@@ -1,8 +1,9 @@
 //! Fused CPU kernels of the train step's hand-written forward and backward
 //! ([`super::tape`]), in f32 and f64 (the f64 path serves the finite-difference
-//! gradient check). Each reads its inputs once and writes one new tensor, in
-//! parallel over rows, where candle would chain several single-pass ops and
-//! allocate a tensor for each.
+//! gradient check). Each reads its inputs once and writes one new tensor (the
+//! log-prob gradient overwrites its logits instead), in parallel over rows,
+//! where candle would chain several single-pass ops and allocate a tensor for
+//! each.
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -144,7 +145,12 @@ fn tensor<T: Real>(values: Vec<T>, shape: impl Into<Shape>) -> Result<Tensor> {
 /// the whole output, since freed memory is reused rather than fresh from the
 /// kernel (see the binary's `keep_freed_memory`). Each piece is zeroed by the
 /// thread that then fills it, while it is in cache.
-fn filled<T: Real>(len: usize, chunk: usize, fill: impl Fn(usize, &mut [T]) + Sync) -> Vec<T> {
+fn filled<T: Real>(
+    len: usize,
+    chunk: usize,
+    fill: impl Fn(usize, &mut [T]) + Sync,
+) -> Result<Vec<T>> {
+    check_chunk(len, chunk)?;
     let mut out = Vec::with_capacity(len);
     out.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk.max(1))
@@ -152,7 +158,7 @@ fn filled<T: Real>(len: usize, chunk: usize, fill: impl Fn(usize, &mut [T]) + Sy
         .for_each(|(i, piece)| fill(i, zeroed(piece)));
     // SAFETY: the pieces cover the first `len` values; `zeroed` initialised each.
     unsafe { out.set_len(len) };
-    out
+    Ok(out)
 }
 
 /// [`filled`] for a kernel with two outputs of `len` values each.
@@ -160,7 +166,8 @@ fn filled_pair<T: Real>(
     len: usize,
     chunk: usize,
     fill: impl Fn(usize, &mut [T], &mut [T]) + Sync,
-) -> (Vec<T>, Vec<T>) {
+) -> Result<(Vec<T>, Vec<T>)> {
+    check_chunk(len, chunk)?;
     let (mut a, mut b) = (Vec::with_capacity(len), Vec::with_capacity(len));
     a.spare_capacity_mut()[..len]
         .par_chunks_mut(chunk.max(1))
@@ -172,7 +179,16 @@ fn filled_pair<T: Real>(
         a.set_len(len);
         b.set_len(len);
     }
-    (a, b)
+    Ok((a, b))
+}
+
+/// An error unless `len` values split into pieces of `chunk` (which no
+/// kernel's checked shapes allow, but a zero piece size would panic).
+fn check_chunk(len: usize, chunk: usize) -> Result<()> {
+    if chunk == 0 && len > 0 {
+        bail!("kernel output of {len} values in pieces of 0")
+    }
+    Ok(())
 }
 
 /// `piece` set to zeros, as values.
@@ -217,7 +233,7 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         for ((y, &x), &w) in y.iter_mut().zip(x).zip(ws) {
             *y = x * r * w;
         }
-    });
+    })?;
     tensor(out, x.shape())
 }
 
@@ -236,17 +252,14 @@ pub fn rms_norm_backward<T: Real>(
     check_len("RMSNorm weight", ws.len(), d)?;
     check_len("RMSNorm gradient", gs.len(), xs.len())?;
     let rv = residual.map(View::of).transpose()?;
-    let rs = match &rv {
-        Some(rv) => rv.values::<T>()?,
-        None => &[],
-    };
-    if residual.is_some() {
+    let rs = rv.as_ref().map(|rv| rv.values::<T>()).transpose()?;
+    if let Some(rs) = rs {
         check_len("RMSNorm residual", rs.len(), xs.len())?;
     }
     let n = T::from_f64(d as f64);
     let out = filled(xs.len(), d, |i, dx| {
         let (x, g) = (&xs[i * d..][..d], &gs[i * d..][..d]);
-        if !rs.is_empty() {
+        if let Some(rs) = rs {
             dx.copy_from_slice(&rs[i * d..][..d]);
         }
         let r = inverse_rms(x, eps);
@@ -259,7 +272,7 @@ pub fn rms_norm_backward<T: Real>(
         for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(ws) {
             *dx += r * (g * w - x * r * mean);
         }
-    });
+    })?;
     tensor(out, x.shape())
 }
 
@@ -312,7 +325,7 @@ pub fn rope_heads<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, s: Heads) -> 
                 y[half + j] = x2 * c + x1 * sn;
             }
         }
-    });
+    })?;
     tensor(out, (s.rows, s.heads, s.n, hd))
 }
 
@@ -341,7 +354,7 @@ pub fn rope_heads_backward<T: Real>(
                 y[half + j] = g2 * c - g1 * sn;
             }
         }
-    });
+    })?;
     tensor(out, (s.rows * s.n, s.heads * hd))
 }
 
@@ -377,7 +390,7 @@ pub fn masked_softmax<T: Real>(scores: &Tensor, mask: &Tensor, scale: f64) -> Re
         p.iter_mut().for_each(|p| *p = (*p - max).exp());
         let sum = p.iter().fold(T::ZERO, |sum, &p| sum + p);
         p.iter_mut().for_each(|p| *p /= sum);
-    });
+    })?;
     tensor(out, scores.shape())
 }
 
@@ -395,7 +408,7 @@ pub fn masked_softmax_backward<T: Real>(p: &Tensor, g: &Tensor, scale: f64) -> R
         for ((d, &p), &g) in d.iter_mut().zip(p).zip(g) {
             *d = scale * p * (g - dot);
         }
-    });
+    })?;
     tensor(out, p.shape())
 }
 
@@ -406,13 +419,17 @@ pub fn masked_softmax_backward<T: Real>(p: &Tensor, g: &Tensor, scale: f64) -> R
 /// `g·(onehot(target) − softmax(logits))`, `g = dloss(i, logp)`.
 pub fn target_logprob_grad<T: Real>(
     logits: &mut [T],
+    vocab: usize,
     targets: &[u32],
     dloss: impl Fn(usize, f64) -> f64 + Sync,
 ) -> Result<Vec<f64>> {
-    if targets.is_empty() || logits.is_empty() || !logits.len().is_multiple_of(targets.len()) {
-        bail!("{} targets for {} logits", targets.len(), logits.len())
+    if vocab == 0 || targets.len().checked_mul(vocab) != Some(logits.len()) {
+        bail!(
+            "{} targets for {} logits of a vocabulary of {vocab}",
+            targets.len(),
+            logits.len()
+        )
     }
-    let vocab = logits.len() / targets.len();
     if let Some(t) = targets.iter().find(|&&t| t as usize >= vocab) {
         bail!("target token {t} outside the vocabulary of {vocab}")
     }
@@ -518,11 +535,12 @@ pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (gs, us) = (gv.values::<T>()?, uv.values::<T>()?);
     check_len("SwiGLU up", us.len(), gs.len())?;
     let out = filled(gs.len(), CHUNK, |i, y| {
-        let (g, u) = (&gs[i * CHUNK..], &us[i * CHUNK..]);
+        let at = i * CHUNK..i * CHUNK + y.len();
+        let (g, u) = (&gs[at.clone()], &us[at]);
         for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
             *y = g * sigmoid(g) * u;
         }
-    });
+    })?;
     tensor(out, gate.shape())
 }
 
@@ -538,14 +556,15 @@ pub fn swiglu_backward<T: Real>(
     check_len("SwiGLU up", us.len(), gs.len())?;
     check_len("SwiGLU gradient", ds.len(), gs.len())?;
     let (d_gate, d_up) = filled_pair(gs.len(), CHUNK, |i, dg, du| {
-        let (g, u, d) = (&gs[i * CHUNK..], &us[i * CHUNK..], &ds[i * CHUNK..]);
+        let at = i * CHUNK..i * CHUNK + dg.len();
+        let (g, u, d) = (&gs[at.clone()], &us[at.clone()], &ds[at]);
         let values = dg.iter_mut().zip(du).zip(g.iter().zip(u).zip(d));
         for ((dg, du), ((&g, &u), &d)) in values {
             let s = sigmoid(g);
             *dg = d * u * s * (T::ONE + g * (T::ONE - s));
             *du = d * g * s;
         }
-    });
+    })?;
     Ok((tensor(d_gate, gate.shape())?, tensor(d_up, gate.shape())?))
 }
 
@@ -581,6 +600,10 @@ mod tests {
         let ours = rms_norm_backward::<f64>(&x, &w, 1e-5, &g, Some(&res)).unwrap();
         let expected = (plain_grad(&x, &g, plain) + &res).unwrap();
         assert!(max_abs_diff(&ours, &expected) < 1e-12);
+        let alone = rms_norm_backward::<f64>(&x, &w, 1e-5, &g, None).unwrap();
+        assert!(max_abs_diff(&alone, &plain_grad(&x, &g, plain)) < 1e-12);
+        let short = randn(&[4, 8]);
+        assert!(rms_norm_backward::<f64>(&x, &w, 1e-5, &g, Some(&short)).is_err());
     }
 
     #[test]
@@ -647,7 +670,7 @@ mod tests {
         let weights = [0.5, -2.0, 1.5];
         let values = || logits.flatten_all().unwrap().to_vec1::<f64>().unwrap();
         let mut grad = values();
-        let logps = target_logprob_grad::<f64>(&mut grad, &targets, |i, _| weights[i]).unwrap();
+        let logps = target_logprob_grad::<f64>(&mut grad, 7, &targets, |i, _| weights[i]).unwrap();
         let grad = Tensor::from_vec(grad, logits.shape(), &Device::Cpu).unwrap();
         let picked = |l: &Tensor| {
             candle_nn::ops::log_softmax(l, D::Minus1)
@@ -669,9 +692,9 @@ mod tests {
         }
         let w = Tensor::new(&weights, &Device::Cpu).unwrap();
         assert!(max_abs_diff(&grad, &plain_grad(&logits, &w, picked)) < 1e-12);
-        for bad_targets in [&[4, 0, 7][..], &[4, 0], &[]] {
-            let result = target_logprob_grad::<f64>(&mut values(), bad_targets, |_, _| 1.0);
-            assert!(result.is_err(), "{bad_targets:?}");
+        for (vocab, bad_targets) in [(7, &[4, 0, 7][..]), (7, &[4, 0]), (3, &[0; 6]), (0, &[])] {
+            let result = target_logprob_grad::<f64>(&mut values(), vocab, bad_targets, |_, _| 1.0);
+            assert!(result.is_err(), "{vocab} {bad_targets:?}");
         }
     }
 

@@ -305,7 +305,6 @@ pub fn head<T: Real>(
     let eps = model.config.rms_norm_eps;
     let hidden = top.index_select(index, 0)?;
     let normed = kernels::rms_norm::<T>(&hidden, &model.final_norm, eps)?;
-    let vocab = model.lm_head.dim(0)?;
     let mut logps = Vec::with_capacity(targets.len());
     let mut d_normed = Vec::new();
     // One buffer for every chunk's logits, overwritten by their gradient.
@@ -313,14 +312,17 @@ pub fn head<T: Real>(
     for start in (0..targets.len()).step_by(HEAD_CHUNK_ROWS) {
         let len = HEAD_CHUNK_ROWS.min(targets.len() - start);
         let rows = normed.narrow(0, start, len)?;
-        gemm::write_product::<T>(&mut logits, &rows, &model.lm_head.t()?, Threads::All)?;
+        let shape =
+            gemm::write_product::<T>(&mut logits, &rows, &model.lm_head.t()?, Threads::All)?;
+        let (_, vocab) = shape.dims2()?;
         let lp = kernels::target_logprob_grad::<T>(
             &mut logits,
+            vocab,
             &targets[start..start + len],
             |i, lp| dloss(start + i, lp),
         )?;
         logps.extend(lp);
-        let d_rows = gemm::values_product(&logits, (len, vocab), &model.lm_head, Threads::All)?;
+        let d_rows = gemm::slice_product(&logits, (len, vocab), &model.lm_head, Threads::All)?;
         d_normed.push(gemm::tensor(d_rows)?);
     }
     if d_normed.is_empty() {
