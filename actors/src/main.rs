@@ -95,7 +95,7 @@ fn settle_thread_count() {
 /// faulted in and zeroed fresh pages again: 11 % of `bench broker`'s train time
 /// went to the kernel's `clear_page`. Serving blocks up to 32 MiB (glibc's largest
 /// threshold) from the heap, never trimming it (-1) and growing it 256 MiB at a
-/// time lets the next micro-batch reuse the same pages: 10–14 % more train
+/// time lets the next micro-batch reuse the same pages: 7–14 % more train
 /// tokens/s. One arena for every thread: the runtime runs train steps on
 /// whichever blocking-pool thread is free, and with an arena per thread each
 /// could keep a step's peak. The cost: the heap stays at its peak (≈ 2.6 GB for
