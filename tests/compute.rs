@@ -423,8 +423,14 @@ fn train_step_does_not_depend_on_head_chunks_or_micro_batches() {
         };
         compute::train_step(&model, &set, &rows, config).unwrap()
     };
+    // More than two of tape.rs's 512-row head chunks in the one micro-batch.
+    let scored: usize = rows.iter().map(|r| r.tokens.len() - 3).sum();
+    assert!(scored > 2 * 512, "{scored} scored positions");
     let (whole, split) = (step(4096), step(256));
     assert_eq!((whole.micro_batches, split.micro_batches), (1, 6));
+    assert_eq!(whole.stats.len(), 2);
+    assert!(whole.stats.keys().eq(split.stats.keys()));
+    assert!(whole.grads.keys().eq(split.grads.keys()));
     for (id, stats) in &whole.stats {
         let other = &split.stats[id];
         assert!(

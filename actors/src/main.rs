@@ -90,25 +90,29 @@ fn settle_thread_count() {
 }
 
 /// A train step allocates and frees ≈ 2 GB of activations per micro-batch, in
-/// blocks of 1–30 MB. glibc hands blocks above its mmap threshold (128 KiB, rising
-/// with use up to 32 MiB) straight back to the kernel when freed, so each micro-batch
-/// faulted in and zeroed fresh pages again: 11 % of `bench broker`'s train time
-/// went to the kernel's `clear_page`. Serving blocks up to 32 MiB (glibc's largest
-/// threshold) from the heap, never trimming it (-1) and growing it 256 MiB at a
-/// time lets the next micro-batch reuse the same pages: 7–14 % more train
-/// tokens/s. One arena for every thread: the runtime runs train steps on
-/// whichever blocking-pool thread is free, and with an arena per thread each
-/// could keep a step's peak. The cost: the heap stays at its peak (≈ 2.6 GB for
-/// `bench broker`) until exit, in every subcommand. These settings override
-/// glibc's `MALLOC_*_` environment variables.
+/// blocks of 1–30 MB. glibc hands blocks above its mmap threshold (128 KiB,
+/// rising with use up to 32 MiB) straight back to the kernel when freed, so each
+/// micro-batch faulted in and zeroed fresh pages again: 11 % of `bench broker`'s
+/// train time went to the kernel's `clear_page`. Serving blocks up to 32 MiB
+/// (glibc's largest threshold) from the heap, never trimming it (-1) and growing
+/// it 256 MiB at a time lets the next micro-batch reuse the same pages: 7–14 %
+/// more train tokens/s in a probe of the step alone (BENCHMARKS.md, machine C).
+/// One arena for every thread: the runtime runs train steps on whichever
+/// blocking-pool thread is free, and with an arena per thread each could keep
+/// a step's peak. The cost: the heap stays at its peak (≈ 2.6 GB for `bench
+/// broker`) until exit, in every subcommand. These settings override glibc's
+/// `MALLOC_*_` environment variables.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes glibc's allocation policy (it takes
-    // glibc's own locks).
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
-        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
+    for (param, value) in [
+        (libc::M_MMAP_THRESHOLD, 32 << 20),
+        (libc::M_TRIM_THRESHOLD, -1),
+        (libc::M_TOP_PAD, 256 << 20),
+        (libc::M_ARENA_MAX, 1),
+    ] {
+        // SAFETY: mallopt only changes glibc's allocation policy (it takes
+        // glibc's own locks).
+        let accepted = unsafe { libc::mallopt(param, value) };
+        debug_assert_eq!(accepted, 1, "mallopt({param}, {value})");
     }
 }

@@ -9,6 +9,8 @@
 //! - [`add_product`] adds a product into values the caller already holds
 //!   (a LoRA delta into its projection's output, the input gradients of
 //!   several projections into one sum), instead of a product and an add.
+//! - [`write_product`] overwrites a buffer the caller keeps (the LM head's
+//!   logits, chunk after chunk), instead of mapping and zeroing fresh memory.
 //! - A batch of at least as many small products as threads (attention: one
 //!   per row and KV head, e.g. `[768, 64]·[64, 256]`) runs its products side
 //!   by side, one per thread, instead of one after another with every thread

@@ -182,8 +182,8 @@ fn filled_pair<T: Real>(
     Ok((a, b))
 }
 
-/// An error unless `len` values split into pieces of `chunk` (which no
-/// kernel's checked shapes allow, but a zero piece size would panic).
+/// An error for a piece size of 0 with values to fill: rayon would panic.
+/// No kernel's checked shapes lead there.
 fn check_chunk(len: usize, chunk: usize) -> Result<()> {
     if chunk == 0 && len > 0 {
         bail!("kernel output of {len} values in pieces of 0")
