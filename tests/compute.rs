@@ -1,5 +1,6 @@
 //! The multi-adapter engine: rows in a mixed batch equal single-adapter passes,
-//! generation does not depend on batch neighbours, and gradients of the PPO
+//! generation does not depend on batch neighbours (within the limit stated in
+//! `compute::generate`'s doc), and gradients of the PPO
 //! loss reach every LoRA factor of every adapter (finite differences in f64).
 
 use candle_core::{DType, Device, Tensor, Var};

@@ -1,4 +1,5 @@
-//! `x·Wᵀ` for a handful of rows: a decode step's projections and LM head.
+//! `x·Wᵀ` for a handful of rows: a small decode step's projections and LM
+//! head, and the per-row products of decode attention and LoRA.
 //!
 //! gemm's kernels are built for a tall left operand: they pack the weight into
 //! panels and hand blocks to threads, and with 1–32 rows that packing and
@@ -7,8 +8,9 @@
 //! of 4 weight rows is read straight from `W` once and dotted with up to 6
 //! input rows at a time, in registers; the input rows stay in cache. On
 //! SmolLM2's 210 block projections per decode step, 4 rows took 25–36 ms
-//! against gemm's 91–94; at 32 rows the two are even in a real decode
-//! (BENCHMARKS.md, broker, "few-row kernel").
+//! against gemm's 91–94 (BENCHMARKS.md, broker, "few-row kernel"). Above
+//! [`MAX_ROWS`] rows the horizontal sums and the re-reading of input rows
+//! cost more than [`super::row_lanes`], which takes over up to 32 rows.
 //!
 //! Each output is one dot product summed in a fixed order (lane-wise over
 //! vector-wide chunks, a fixed reduction, then the tail), whatever the rows
@@ -16,20 +18,10 @@
 
 use rayon::prelude::*;
 
-/// Largest row count served here (default 32); taller inputs go to gemm.
-pub const MAX_ROWS: usize = 32;
-
-/// Over [`WIDE_MAX_ROWS`] rows (default 16), products with more than
-/// [`WIDE_COLUMNS`] outputs (default 8192: the LM head) go to gemm, which
-/// reuses the input rows better there: at 32 rows SmolLM2's head took 19–25
-/// ms in gemm against 31–36 ms here, at 16 rows they tie (BENCHMARKS.md).
-pub const WIDE_MAX_ROWS: usize = 16;
-pub const WIDE_COLUMNS: usize = 8192;
-
-/// Whether `[m, k]·[n, k]ᵀ` is served here rather than by gemm.
-pub fn serves(m: usize, n: usize) -> bool {
-    m <= MAX_ROWS && (m <= WIDE_MAX_ROWS || n <= WIDE_COLUMNS)
-}
+/// Most rows a projection sends here (default 8); 9–32 rows go to
+/// [`super::row_lanes`], taller inputs to gemm. At 8 rows the two kernels
+/// tie on SmolLM2's block projections (BENCHMARKS.md, session 10).
+pub const MAX_ROWS: usize = 8;
 
 /// Weight rows per block, and input rows per register tile.
 const BLOCK: usize = 4;
@@ -68,13 +60,24 @@ impl Isa {
         Isa::Portable,
     ];
 
-    fn runs_here(self) -> bool {
+    pub(crate) fn runs_here(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             Isa::Portable => true,
+        }
+    }
+
+    /// Values per vector.
+    pub(crate) fn width(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => 16,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => 8,
+            Isa::Portable => 1,
         }
     }
 
@@ -122,17 +125,7 @@ pub(crate) fn matmul_t_with(
     k: usize,
     n: usize,
 ) -> Result<Vec<f32>, String> {
-    let fits = |len: usize, rows: usize| rows.checked_mul(k) == Some(len);
-    if !fits(x.len(), m) || !fits(w.len(), n) || m.checked_mul(n).is_none() {
-        return Err(format!(
-            "few-row matmul: x has {} values for [{m}, {k}], W {} for [{n}, {k}]",
-            x.len(),
-            w.len()
-        ));
-    }
-    if !isa.runs_here() {
-        return Err(format!("few-row matmul: this CPU lacks {isa:?}"));
-    }
+    check_product("few-row matmul", isa, x, w, m, k, n)?;
     if m == 0 || n == 0 || k == 0 {
         return Ok(vec![0.0; m * n]);
     }
@@ -154,6 +147,31 @@ pub(crate) fn matmul_t_with(
         }
     }
     Ok(y)
+}
+
+/// That `x` holds `[m, k]` and `w` `[n, k]` values, that `[m, n]` fits in
+/// memory, and that this CPU runs `isa`; `kernel` names the caller.
+pub(crate) fn check_product(
+    kernel: &str,
+    isa: Isa,
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Result<(), String> {
+    let fits = |len: usize, rows: usize| rows.checked_mul(k) == Some(len);
+    if !fits(x.len(), m) || !fits(w.len(), n) || m.checked_mul(n).is_none() {
+        return Err(format!(
+            "{kernel}: x has {} values for [{m}, {k}], W {} for [{n}, {k}]",
+            x.len(),
+            w.len()
+        ));
+    }
+    if !isa.runs_here() {
+        return Err(format!("{kernel}: this CPU lacks {isa:?}"));
+    }
+    Ok(())
 }
 
 fn run(isa: Isa, x: &[f32], w: &[f32], m: usize, k: usize, y_t: &mut [f32]) {
@@ -185,18 +203,24 @@ unsafe fn tiles_avx2(x: &[f32], w: &[f32], m: usize, k: usize, y_t: &mut [f32]) 
 }
 
 /// Vector operations a kernel is written in.
-trait Lanes {
+pub(crate) trait Lanes {
     type V: Copy;
     const WIDTH: usize;
     unsafe fn zero() -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// Every lane `*p`.
+    unsafe fn splat(p: *const f32) -> Self::V;
+    /// A hint to bring `p`'s cache line into L2 (default: nothing).
+    #[inline(always)]
+    unsafe fn prefetch(_p: *const f32) {}
     /// `a·b + c`.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn sum(v: Self::V) -> f32;
 }
 
 /// One lane: the kernel on any CPU.
-struct Scalar;
+pub(crate) struct Scalar;
 
 impl Lanes for Scalar {
     type V = f32;
@@ -205,6 +229,12 @@ impl Lanes for Scalar {
         0.0
     }
     unsafe fn load(p: *const f32) -> f32 {
+        *p
+    }
+    unsafe fn store(p: *mut f32, v: f32) {
+        *p = v
+    }
+    unsafe fn splat(p: *const f32) -> f32 {
         *p
     }
     unsafe fn fma(a: f32, b: f32, c: f32) -> f32 {
@@ -216,7 +246,7 @@ impl Lanes for Scalar {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     pub struct Avx512;
@@ -232,6 +262,18 @@ mod x86 {
         #[inline(always)]
         unsafe fn load(p: *const f32) -> __m512 {
             _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m512 {
+            _mm512_set1_ps(*p)
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const f32) {
+            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
         }
         #[inline(always)]
         unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
@@ -253,6 +295,18 @@ mod x86 {
         #[inline(always)]
         unsafe fn load(p: *const f32) -> __m256 {
             _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m256 {
+            _mm256_broadcast_ss(&*p)
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const f32) {
+            _mm_prefetch::<_MM_HINT_T1>(p as *const i8)
         }
         #[inline(always)]
         unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
@@ -329,24 +383,45 @@ unsafe fn dots<S: Lanes, const B: usize, const R: usize>(
     }
 }
 
+/// `n` values in [-1, 1] that depend on `seed`, for the kernels' tests.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+/// That `y` is `x·wᵀ` (`x` `[m, k]`, `w` `[n, k]`) to within f32 rounding,
+/// checked against sums in f64; `label` names the kernel in a failure.
+#[cfg(test)]
+pub(crate) fn assert_matches_reference(label: &str, x: &[f32], w: &[f32], y: &[f32], k: usize) {
+    let (m, n) = (x.len() / k, w.len() / k);
+    assert_eq!(y.len(), m * n, "{label}");
+    for (r, x) in x.chunks_exact(k).enumerate() {
+        for (j, w) in w.chunks_exact(k).enumerate() {
+            let exact: f64 = x.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let err = (y[r * n + j] as f64 - exact).abs();
+            assert!(
+                err <= 1e-5 * k as f64,
+                "{label} {m}x{k}x{n} [{r},{j}]: {err}"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use super::test_values as values;
 
     fn every_kernel() -> Vec<(Isa, Threads)> {
         let threads = [Threads::Rayon, Threads::Caller];
         let isas = Isa::available();
         isas.into_iter()
             .flat_map(|isa| threads.map(|t| (isa, t)))
-            .collect()
-    }
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2001) as f32 / 1000.0
-                    - 1.0
-            })
             .collect()
     }
 
@@ -365,18 +440,7 @@ mod tests {
             for &(m, k, n) in &cases {
                 let (x, w) = (values(m * k, 1), values(n * k, 2));
                 let y = matmul_t_with(isa, threads, &x, &w, m, k, n).unwrap();
-                for r in 0..m {
-                    for j in 0..n {
-                        let exact: f64 = (0..k)
-                            .map(|i| x[r * k + i] as f64 * w[j * k + i] as f64)
-                            .sum();
-                        let err = (y[r * n + j] as f64 - exact).abs();
-                        assert!(
-                            err <= 1e-5 * k as f64,
-                            "{isa:?} {m}x{k}x{n} [{r},{j}]: {err}"
-                        );
-                    }
-                }
+                assert_matches_reference(&format!("{isa:?} {threads:?}"), &x, &w, &y, k);
             }
         }
     }

@@ -250,18 +250,20 @@ struct Plan<'a, T> {
     shape: Shape,
 }
 
-/// A raw output pointer that threads write disjoint matrices through.
+/// A raw output pointer that parallel tasks write disjoint parts through
+/// (here: matrices, see Plan::run; in `row_lanes`: columns).
 #[derive(Clone, Copy)]
-struct Out<T>(*mut T);
+pub(crate) struct Out<T>(pub(crate) *mut T);
 
 impl<T> Out<T> {
     /// # Safety
     /// As for `pointer::add`.
-    unsafe fn at(self, offset: usize) -> *mut T {
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut T {
         unsafe { self.0.add(offset) }
     }
 }
-// SAFETY: each task writes only its own matrix of the output (see Plan::run).
+// SAFETY: every user makes its tasks write disjoint elements of the output
+// (Plan::run: one matrix each; row_lanes::matmul_t_with: one column range each).
 unsafe impl<T: Send> Send for Out<T> {}
 unsafe impl<T: Send> Sync for Out<T> {}
 

@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod hf;
 mod model;
 mod ops;
+pub mod row_lanes;
 pub mod tiny;
 mod tokenizer;
 

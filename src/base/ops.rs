@@ -23,17 +23,18 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::few_rows;
 use super::gemm::{self, Threads};
+use super::{few_rows, row_lanes};
 
 /// Scored rows per chunk of the LM head (default 256: a `[256, 49152]` f32
 /// logits block is 50 MB).
 pub const HEAD_CHUNK_ROWS: usize = 256;
 
 /// `x·Wᵀ` for `x` `[m, in]` and a frozen `w` `[out, in]`. When `x` carries no
-/// gradient (generation, scoring) no backward is recorded. On the CPU, a few
-/// contiguous rows of f32 go to the few-row kernel (see [`few_rows::serves`]),
-/// the rest to gemm.
+/// gradient (generation, scoring) no backward is recorded. On the CPU,
+/// contiguous f32 with up to [`few_rows::MAX_ROWS`] rows goes to the few-row
+/// kernel, with up to [`row_lanes::MAX_ROWS`] to the row-lanes kernel, the
+/// rest to gemm.
 pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     match (x.device().is_cpu() && !w.track_op(), x.track_op()) {
         (true, true) => x.apply_op2(w, FrozenMatmul),
@@ -68,11 +69,15 @@ impl CustomOp2 for FrozenMatmul {
             w_layout.contiguous_offsets(),
         ) {
             (CpuStorage::F32(x), CpuStorage::F32(w), Some((x0, x1)), Some((w0, w1)))
-                if few_rows::serves(m, n) =>
+                if m <= row_lanes::MAX_ROWS =>
             {
-                let y = few_rows::matmul_t(&x[x0..x1], &w[w0..w1], m, k, n)
-                    .map_err(candle_core::Error::Msg)?;
-                CpuStorage::F32(y)
+                let (x, w) = (&x[x0..x1], &w[w0..w1]);
+                let y = if m <= few_rows::MAX_ROWS {
+                    few_rows::matmul_t(x, w, m, k, n)
+                } else {
+                    row_lanes::matmul_t(x, w, m, k, n)
+                };
+                CpuStorage::F32(y.map_err(candle_core::Error::Msg)?)
             }
             (CpuStorage::F32(_), CpuStorage::F32(_), ..)
             | (CpuStorage::F64(_), CpuStorage::F64(_), ..) => {
@@ -274,6 +279,26 @@ mod tests {
     use super::*;
     use crate::test_util::max_abs_diff;
     use candle_core::{DType, Var};
+
+    /// f32 products at the row counts where the kernel changes (few-row,
+    /// row-lanes, gemm) agree with candle's matmul, also for an input that
+    /// is a view starting inside its storage.
+    #[test]
+    fn frozen_matmul_agrees_with_matmul_on_every_kernel() {
+        let device = Device::Cpu;
+        let (k, n) = (70, 53);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &device).unwrap();
+        let all = Tensor::randn(0f32, 1.0, (40, k), &device).unwrap();
+        for m in [1, 8, 9, 32, 33] {
+            for start in [0, 3] {
+                let x = all.narrow(0, start, m).unwrap();
+                let ours = frozen_matmul(&x, &w).unwrap();
+                let plain = x.matmul(&w.t().unwrap()).unwrap();
+                let err = max_abs_diff(&ours, &plain);
+                assert!(err < 1e-4, "{m} rows from {start}: {err}");
+            }
+        }
+    }
 
     /// Values and input gradients equal the plain-op definition, across
     /// several head chunks, and the frozen weights receive no gradient.

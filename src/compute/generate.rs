@@ -1,10 +1,16 @@
 //! Batched, KV-cached decoding where every row has its own adapter, prompt,
 //! limits, sampling settings and seeded random stream.
 //!
-//! A row's tokens never depend on its neighbours: rows are left-padded and
+//! A row's tokens do not depend on its neighbours: rows are left-padded and
 //! masked, each samples from its own ChaCha stream, and finished rows leave the
-//! batch. Rows are internally grouped by adapter (segments) and the results
-//! returned in request order.
+//! batch. One limit: each product of a pass picks its kernel by the pass's
+//! number of token rows (`base::ops::frozen_matmul`: the few-row kernel up to
+//! 8, the row-lanes kernel up to 32, gemm above), and the three sum in
+//! different orders. A row's logits can therefore differ in the last bits
+//! between a batch and another batch whose size falls in another kernel's
+//! range, which can flip a near-tie. A replay runs the same batches, so it
+//! gets the same bits. Rows are internally grouped by adapter (segments) and
+//! the results returned in request order.
 
 use candle_core::{IndexOp, Tensor};
 use rand::Rng;
