@@ -5,8 +5,8 @@
 //! of input rows cost more than the weight stream. Here the input is
 //! transposed once (`[k][rows]`, it stays in cache) and the weights are read
 //! once, in tiles of consecutive rows: each weight is broadcast to every lane
-//! and multiplied into two vectors of rows at a time (32 rows with AVX-512, 16
-//! with AVX2), with no horizontal sum. The next tile is prefetched while one
+//! and multiplied into one or two vectors of rows at a time (up to 32 rows
+//! with AVX-512, 16 with AVX2), with no horizontal sum. The next tile is prefetched while one
 //! is being multiplied. On SmolLM2's 210 block projections, 32 rows took
 //! 61–72 ms against the few-row kernel's 96, 16 rows 41–45 against 60–62, and
 //! the LM head at 32 rows 10–14 ms against 29–32 (BENCHMARKS.md, session 10).
@@ -33,8 +33,8 @@ pub const MAX_ROWS: usize = 32;
 const GROUP_VECTORS: usize = 2;
 const _: () = assert!(GROUP_VECTORS == 2);
 
-/// Parallel tasks per product, so two threads stay busy on the smallest
-/// projections (192 outputs).
+/// Parallel tasks per product at most (default 16; 8 on the smallest
+/// projections, 192 outputs), so two threads stay busy.
 const TASKS: usize = 16;
 
 /// Task boundaries fall on multiples of this many weight rows (default 24;
@@ -123,7 +123,8 @@ impl RowGroups {
 /// Columns `cols` of `y` (`[m, n]`).
 ///
 /// # Safety
-/// As for [`tiles`], with `isa` running here.
+/// `rows` was built by `RowGroups::new(isa, ..)` from rows of `k > 0`;
+/// otherwise as for [`tiles`], with `isa` running here.
 unsafe fn run(
     isa: Isa,
     rows: &RowGroups,
@@ -191,8 +192,9 @@ unsafe fn tiles<S: Lanes, const G: usize, const NR: usize>(
     cols: Range<usize>,
     y: Out<f32>,
 ) {
-    debug_assert!(rows.stride == G * S::WIDTH && rows.k == k && w.len() == n * k);
-    debug_assert!(cols.end <= n);
+    // The row groups' layout is what keeps `tile`'s reads in bounds: checked
+    // once per task, not only in debug builds.
+    assert!(rows.stride == G * S::WIDTH && rows.k == k && w.len() == n * k && cols.end <= n);
     let end = cols.end;
     let mut j = cols.start;
     while j < end {
@@ -210,7 +212,8 @@ unsafe fn tiles<S: Lanes, const G: usize, const NR: usize>(
 /// Columns `j..j + NR` (weight rows `w[0..NR]`) of every row group. Returns `NR`.
 ///
 /// # Safety
-/// As for [`tiles`], with `j + NR` inside its `cols`.
+/// As for [`tiles`]; `w` points at weight row `j` of `[n, k]`, and
+/// `j + NR` lies inside `tiles`' `cols`.
 #[inline(always)]
 unsafe fn every_group<S: Lanes, const G: usize, const NR: usize>(
     rows: &RowGroups,
@@ -230,8 +233,9 @@ unsafe fn every_group<S: Lanes, const G: usize, const NR: usize>(
 /// `y[r·n + j]` for the first `rows` rows.
 ///
 /// # Safety
-/// `xt` is `[k][G · S::WIDTH]`, `w` holds `NR` rows of `k`, `y` has `rows`
-/// rows of stride `n` with `NR` columns each, and the CPU runs `S`.
+/// `xt` is `[k][G · S::WIDTH]`, `w` holds `NR` rows of `k`,
+/// `rows ≤ G · S::WIDTH`, `y` has `rows` rows of stride `n` whose first `NR`
+/// columns only this call writes, and the CPU runs `S`.
 #[inline(always)]
 unsafe fn tile<S: Lanes, const G: usize, const NR: usize>(
     xt: *const f32,
@@ -294,6 +298,7 @@ mod tests {
             (20, 37, 20),
             (32, 576, 100),
             (40, 3, 1),
+            (40, 37, 61),
         ];
         for isa in Isa::available() {
             for &(m, k, n) in &cases {

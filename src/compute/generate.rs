@@ -3,12 +3,13 @@
 //!
 //! A row's tokens do not depend on its neighbours: rows are left-padded and
 //! masked, each samples from its own ChaCha stream, and finished rows leave the
-//! batch. One limit: each product of a pass picks its kernel by the pass's
-//! number of token rows (`base::ops::frozen_matmul`: the few-row kernel up to
-//! 8, the row-lanes kernel up to 32, gemm above), and the three sum in
-//! different orders. A row's logits can therefore differ in the last bits
-//! between a batch and another batch whose size falls in another kernel's
-//! range, which can flip a near-tie. A replay runs the same batches, so it
+//! batch. One limit: each frozen projection and the LM head pick their kernel
+//! by the pass's number of token rows, rows × new tokens
+//! (`base::ops::frozen_matmul`: the few-row kernel up to 8, the row-lanes
+//! kernel up to 32, gemm above), and the three sum in different orders. A
+//! row's logits can therefore differ in the last bits between two batches
+//! whose token-row counts fall in different kernels' ranges, which can flip a
+//! near-tie. A replay runs the same batches, so it
 //! gets the same bits. Rows are internally grouped by adapter (segments) and
 //! the results returned in request order.
 
