@@ -70,14 +70,14 @@ impl Isa {
         }
     }
 
-    /// Values per vector.
+    /// Values per vector: the `Lanes::WIDTH` of this instruction set's kernel.
     pub(crate) fn width(self) -> usize {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => 16,
+            Isa::Avx512 => x86::Avx512::WIDTH,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => 8,
-            Isa::Portable => 1,
+            Isa::Avx2 => x86::Avx2::WIDTH,
+            Isa::Portable => Scalar::WIDTH,
         }
     }
 

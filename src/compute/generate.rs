@@ -9,9 +9,9 @@
 //! kernel up to 32, gemm above), and the three sum in different orders. A
 //! row's logits can therefore differ in the last bits between two batches
 //! whose token-row counts fall in different kernels' ranges, which can flip a
-//! near-tie. A replay runs the same batches, so it
-//! gets the same bits. Rows are internally grouped by adapter (segments) and
-//! the results returned in request order.
+//! near-tie. A replay runs the same batches, so it gets the same bits. Rows
+//! are internally grouped by adapter (segments) and the results returned in
+//! request order.
 
 use candle_core::{IndexOp, Tensor};
 use rand::Rng;
