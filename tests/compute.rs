@@ -93,8 +93,9 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn inference_kernels_match_the_differentiable_forward() {
-    // Passes that record no gradient use candle's fused RMSNorm, RoPE and
-    // softmax; training uses plain ops. Both must compute the same function.
+    // Passes that record no gradient use fused kernels for RMSNorm, RoPE,
+    // SwiGLU and the masked softmax; the differentiable forward uses plain
+    // ops. Both must compute the same function.
     let model = tiny_model();
     let (a, b) = (
         random_adapter(&model, 1, DType::F32),

@@ -12,7 +12,8 @@
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::few_rows;
+use super::few_rows::{self, Isa};
+use super::kernels;
 
 /// `softmax(q·kᵀ/√d + mask)·v` for `q` `[rows, heads, 1, d]` and `k`, `v`
 /// `[rows, kv_heads, slots, d]` (views whose slots of one row and head are
@@ -111,6 +112,7 @@ impl CustomOp3 for DecodeAttention {
         let (k, v) = (blocks(k, k_layout, "k")?, blocks(v, v_layout, "v")?);
         let group = heads / kv_heads;
         let scale = 1.0 / (d as f32).sqrt();
+        let isa = Isa::best();
         let mut out = vec![0f32; rows * heads * d];
         out.par_chunks_mut(heads * d)
             .enumerate()
@@ -122,7 +124,7 @@ impl CustomOp3 for DecodeAttention {
                     let scores = few_rows::matmul_t_serial(q, k.of(row, kv), group, d, slots)
                         .map_err(candle_core::Error::Msg)?;
                     for (out, scores) in out.chunks_exact_mut(d).zip(scores.chunks_exact(slots)) {
-                        weighted_values(scores, mask, scale, v.of(row, kv), out);
+                        weighted_values(isa, scores, mask, scale, v.of(row, kv), out);
                     }
                 }
                 Ok::<_, candle_core::Error>(())
@@ -132,19 +134,10 @@ impl CustomOp3 for DecodeAttention {
 }
 
 /// `out = softmax(scores·scale + mask)·V` for one query, `V` `[slots, d]`.
-fn weighted_values(scores: &[f32], mask: &[f32], scale: f32, v: &[f32], out: &mut [f32]) {
-    let mut weights: Vec<f32> = scores
-        .iter()
-        .zip(mask)
-        .map(|(s, m)| s * scale + m)
-        .collect();
-    let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    weights.iter_mut().for_each(|w| *w = (*w - max).exp());
-    let total: f32 = weights.iter().sum();
-    for (&w, v) in weights.iter().zip(v.chunks_exact(out.len())) {
-        let w = w / total;
-        out.iter_mut().zip(v).for_each(|(o, &v)| *o += w * v);
-    }
+fn weighted_values(isa: Isa, scores: &[f32], mask: &[f32], scale: f32, v: &[f32], out: &mut [f32]) {
+    let mut weights = vec![0f32; scores.len()];
+    kernels::softmax_row(isa, &mut weights, scores, mask, scale);
+    kernels::expand(isa, out, &weights, v);
 }
 
 #[cfg(test)]

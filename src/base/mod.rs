@@ -10,6 +10,7 @@ pub mod few_rows;
 pub mod gemm;
 pub mod gguf;
 pub mod hf;
+pub(crate) mod kernels;
 mod model;
 mod ops;
 pub mod row_lanes;

@@ -14,7 +14,10 @@
 //! Rows of a batch may have different lengths: they are left-padded, each row
 //! carries its own RoPE positions, and an additive mask hides padding and the
 //! future. Only differentiable candle ops are used here (no `softmax_last_dim`,
-//! `rms_norm`, `rope`, `QMatMul`): see DESIGN.md "gradient traps".
+//! `rms_norm`, `rope`, `QMatMul`): see DESIGN.md "gradient traps". A pass that
+//! records no gradient (generation, scoring) runs the fused kernels of
+//! [`super::kernels`] instead for RMSNorm, RoPE with the head split, the
+//! attention softmax, SwiGLU and the residual additions.
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 
@@ -22,6 +25,7 @@ use super::config::ModelConfig;
 use super::decode_attention;
 use super::error::Result;
 use super::gemm;
+use super::kernels::{self, Heads};
 use super::ops::{frozen_matmul, softmax, target_logprobs};
 use crate::lora::Target;
 
@@ -32,17 +36,19 @@ const MASKED: f32 = -1e9;
 /// Supplies the low-rank update of a projection: `Δ(x) = s·(x·Aᵀ)·Bᵀ` per row.
 /// The base model knows nothing about adapters beyond this hook.
 pub trait LoraHook {
-    /// The delta to add to projection `target` of `layer` for input `x`
-    /// (`[rows, tokens, in]`), or `None` when no row has an adapter there.
-    fn delta(&self, layer: usize, target: Target, x: &Tensor) -> Result<Option<Tensor>>;
+    /// `y`, the frozen projection `target` of `layer` for input `x`
+    /// (`[rows, tokens, in]` → `[rows, tokens, out]`), plus each row's delta
+    /// (`y` itself when no row has an adapter there). Taking `y` lets a hook
+    /// add in the same pass that computes the delta.
+    fn add_delta(&self, layer: usize, target: Target, x: &Tensor, y: Tensor) -> Result<Tensor>;
 }
 
 /// The hook of the plain base model.
 pub struct NoLora;
 
 impl LoraHook for NoLora {
-    fn delta(&self, _: usize, _: Target, _: &Tensor) -> Result<Option<Tensor>> {
-        Ok(None)
+    fn add_delta(&self, _: usize, _: Target, _: &Tensor, y: Tensor) -> Result<Tensor> {
+        Ok(y)
     }
 }
 
@@ -424,11 +430,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let BlockContext { cos, sin, mask } = shared;
         let proj = |target: Target, x: &Tensor| -> Result<Tensor> {
-            let y = block.linear(target).forward(x)?;
-            match lora.delta(layer, target, x)? {
-                Some(d) => Ok((y + d)?),
-                None => Ok(y),
-            }
+            lora.add_delta(layer, target, x, block.linear(target).forward(x)?)
         };
         let cfg = &self.config;
         let (rows, n, _) = h.dims3()?;
@@ -440,8 +442,22 @@ impl Llama {
                 .transpose(1, 2)?
                 .contiguous()?)
         };
-        let q = rope(&split(proj(Target::Q, &a)?, heads)?, cos, sin)?;
-        let k = rope(&split(proj(Target::K, &a)?, kv_heads)?, cos, sin)?;
+        let split_rope = |t: Tensor, nh: usize| -> Result<Tensor> {
+            if !fusable(&t) {
+                return rope(&split(t, nh)?, cos, sin);
+            }
+            let s = Heads {
+                rows,
+                n,
+                heads: nh,
+                head_dim: hd,
+            };
+            let flat = t.reshape((rows * n, nh * hd))?.contiguous()?;
+            let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+            Ok(kernels::rope_heads::<f32>(&flat, &cos, &sin, s)?)
+        };
+        let q = split_rope(proj(Target::Q, &a)?, heads)?;
+        let k = split_rope(proj(Target::K, &a)?, kv_heads)?;
         let v = split(proj(Target::V, &a)?, kv_heads)?;
         let (k, v) = match cache {
             Some(c) => c.append(layer, k, v)?,
@@ -449,11 +465,11 @@ impl Llama {
         };
         let attn = attention(&q, &k, &v, mask, kv_heads)?;
         let attn = attn.transpose(1, 2)?.reshape((rows, n, heads * hd))?;
-        let h = (h + proj(Target::O, &attn)?)?;
+        let h = residual(h, &proj(Target::O, &attn)?)?;
 
         let m = rms_norm(&h, &block.mlp_norm, cfg.rms_norm_eps)?;
-        let gated = (proj(Target::Gate, &m)?.silu()? * proj(Target::Up, &m)?)?;
-        Ok((h + proj(Target::Down, &gated)?)?)
+        let gated = swiglu(&proj(Target::Gate, &m)?, &proj(Target::Up, &m)?)?;
+        residual(&h, &proj(Target::Down, &gated)?)
     }
 
     /// cos/sin for each row's positions: `[rows, 1, new, head_dim/2]`.
@@ -483,11 +499,21 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     Ok((freqs.cos()?, freqs.sin()?))
 }
 
-/// RMSNorm: `x / √(mean(x²) + ε) · w`. candle's fused kernels (here and in
-/// [`rope`]) have no backward, so they serve only passes that record no
-/// gradient; the plain-op form keeps this forward differentiable (the train
-/// step has its own kernels and backward, `compute::tape`).
+/// Whether `t` can go through the fused kernels: f32 on the CPU, with no
+/// gradient to record (they have no backward in candle's graph).
+fn fusable(t: &Tensor) -> bool {
+    !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu()
+}
+
+/// RMSNorm: `x / √(mean(x²) + ε) · w`. Fused kernels (ours on the CPU in
+/// f32, candle's elsewhere; here, in [`rope`] and [`swiglu`]) have no
+/// backward, so they serve only passes that record no gradient; the plain-op
+/// form keeps this forward differentiable (the train step has its own
+/// kernels and backward, `compute::tape`).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if fusable(x) && fusable(weight) {
+        return Ok(kernels::rms_norm::<f32>(&x.contiguous()?, weight, eps)?);
+    }
     if !x.track_op() && !weight.track_op() && x.dtype() == DType::F32 {
         return Ok(candle_nn::ops::rms_norm(
             &x.contiguous()?,
@@ -498,6 +524,26 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
     Ok(normed.broadcast_mul(weight)?)
+}
+
+/// `h + y`, on the fused kernels' threads when no gradient is recorded (a
+/// decode step's additions are too small to be worth waking candle's own).
+fn residual(h: &Tensor, y: &Tensor) -> Result<Tensor> {
+    if fusable(h) && fusable(y) {
+        return Ok(kernels::add::<f32>(&h.contiguous()?, &y.contiguous()?)?);
+    }
+    Ok((h + y)?)
+}
+
+/// SwiGLU's product `silu(gate) ⊙ up`.
+fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if fusable(gate) && fusable(up) {
+        return Ok(kernels::swiglu::<f32>(
+            &gate.contiguous()?,
+            &up.contiguous()?,
+        )?);
+    }
+    Ok((gate.silu()? * up)?)
 }
 
 /// HF ("rotate half") RoPE on `[rows, heads, new, head_dim]`.
@@ -525,6 +571,15 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize)
     let (rows, heads, n, hd) = q.dims4()?;
     let slots = k.dim(2)?;
     let group = heads / kv_heads;
+    if fusable(q) && fusable(k) && fusable(mask) {
+        // Scale, mask and softmax in one pass over the scores.
+        let q = q.reshape((rows, kv_heads, group * n, hd))?;
+        let scores = gemm::matmul(&q, &k.t()?)?.reshape((rows, heads, n, slots))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let probs = kernels::masked_softmax::<f32>(&scores, &mask.contiguous()?, scale)?;
+        let probs = probs.reshape((rows, kv_heads, group * n, slots))?;
+        return Ok(gemm::matmul(&probs, v)?.reshape((rows, heads, n, hd))?);
+    }
     // Scaling q rather than the scores touches n·hd values instead of n·slots.
     let q = (q / (hd as f64).sqrt())?.reshape((rows, kv_heads, group * n, hd))?;
     let scores = gemm::matmul(&q, &k.t()?)?;

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
-use crate::base::{KvCache, Llama, Logits, Positions};
+use crate::base::{kernels, KvCache, Llama, Logits, Positions};
 
 /// How to pick the next token. `temperature <= 0` means greedy.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -221,7 +221,7 @@ fn pick_tokens(
         .zip(logits)
         .map(|(req, row_logits)| {
             let token = sample_token(row_logits, req.sampling, &mut req.rng);
-            (token, log_softmax_at(row_logits, token))
+            (token, kernels::log_softmax_at(row_logits, token as usize))
         })
         .collect())
 }
@@ -277,10 +277,4 @@ fn argmax(logits: &[f32]) -> u32 {
         }
     }
     best as u32
-}
-
-fn log_softmax_at(logits: &[f32], token: u32) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-    (logits[token as usize] as f64 - max - sum.ln()) as f32
 }

@@ -7,7 +7,6 @@
 //! results never depend on request order.
 
 mod generate;
-mod kernels;
 mod row_adapters;
 mod tape;
 mod train;

@@ -24,9 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use candle_core::{DType, Tensor, D};
 
-use super::kernels;
-
-use crate::base::{gemm, LoraHook, ModelConfig};
+use crate::base::{gemm, kernels, LoraHook, ModelConfig};
 use crate::lora::{Adapter, ModuleKey, Target};
 
 /// Our own adapter id (a member id in the runtime). Ordered, so batches are too.
@@ -197,8 +195,9 @@ impl RowAdapters {
         gemm::matmul(&shrunk, &f.b_t)
     }
 
-    /// `Δ` of a decode step (one token per row, no gradient) in one fused pass.
-    fn decode_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `y + Δ` of a decode step (one token per row, no gradient, f32) in
+    /// one fused pass; `y` is `[rows, out]`.
+    fn decode_add(&self, f: &ModuleFactors, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         let (rows, _, in_dim) = x.dims3()?;
         let x = x.reshape((rows, in_dim))?.contiguous()?;
         let slots: Vec<Option<usize>> = self
@@ -206,10 +205,7 @@ impl RowAdapters {
             .iter()
             .flat_map(|seg| std::iter::repeat_n(seg.slot, seg.rows))
             .collect();
-        match x.dtype() {
-            DType::F32 => kernels::row_lora(&x, &f.a, &f.b_t, &slots, self.rank),
-            _ => self.masked_delta(f, &x.unsqueeze(1)?),
-        }
+        kernels::row_lora(&x, &f.a, &f.b_t, &slots, self.rank, &y.contiguous()?)
     }
 
     /// `Δ` one segment at a time: each run of rows against its own adapter's
@@ -310,25 +306,32 @@ fn concatenated(
 }
 
 impl LoraHook for RowAdapters {
-    fn delta(
+    fn add_delta(
         &self,
         layer: usize,
         target: Target,
         x: &Tensor,
-    ) -> crate::base::Result<Option<Tensor>> {
+        y: Tensor,
+    ) -> crate::base::Result<Tensor> {
         let Some(f) = self.modules.get(&ModuleKey { layer, target }) else {
-            return Ok(None);
+            return Ok(y);
         };
         let (rows, tokens, _) = x.dims3()?;
-        let no_grad = !x.track_op() && !f.a.track_op() && !f.b_t.track_op();
-        let out = if tokens == 1 && no_grad && x.device().is_cpu() {
-            self.decode_delta(f, x)?
-        } else if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
-            self.segmented_delta(f, x)?
-        } else {
-            self.masked_delta(f, x)?
-        };
-        Ok(Some(out.reshape((rows, tokens, out.dim(D::Minus1)?))?))
+        let untracked = [x, &y, &f.a, &f.b_t].iter().all(|t| !t.track_op());
+        let f32_cpu = [x, &y]
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && t.device().is_cpu());
+        if tokens == 1 && untracked && f32_cpu {
+            let out = self.decode_add(f, x, &y.reshape((rows, ()))?)?;
+            return Ok(out.reshape(y.shape())?);
+        }
+        let delta =
+            if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
+                self.segmented_delta(f, x)?
+            } else {
+                self.masked_delta(f, x)?
+            };
+        Ok((y + delta.reshape((rows, tokens, delta.dim(D::Minus1)?))?)?)
     }
 }
 
@@ -382,7 +385,9 @@ mod tests {
         assert_eq!(hook.segments.len(), 3);
         // A decode step's fused pass agrees too (one token per row, no gradient).
         let one = x.as_tensor().narrow(1, 0, 1).unwrap().detach();
-        let fused = hook.decode_delta(factors, &one).unwrap();
+        let out_dim = masked.dim(1).unwrap();
+        let zeros = Tensor::zeros((rows.len(), out_dim), DType::F32, &Device::Cpu).unwrap();
+        let fused = hook.decode_add(factors, &one, &zeros).unwrap();
         let plain = hook.masked_delta(factors, &one).unwrap();
         let diff = (&fused - &plain).unwrap().abs().unwrap().max_all().unwrap();
         assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
@@ -395,8 +400,9 @@ mod tests {
             .unwrap();
         assert_eq!(none_row.to_scalar::<f32>().unwrap(), 0.0);
         // With trainable factors the hook keeps the graph, even for one token per row.
-        let tracked = hook.delta(key.layer, key.target, &one).unwrap().unwrap();
-        assert!(tracked.track_op());
+        let y = Tensor::zeros((rows.len(), 1, out_dim), DType::F32, &Device::Cpu);
+        let tracked = hook.add_delta(key.layer, key.target, &one, y.unwrap());
+        assert!(tracked.unwrap().track_op());
 
         let weights = Tensor::randn(0f32, 1.0, masked.dims(), &Device::Cpu).unwrap();
         let grads = |d: &Tensor| {

@@ -32,10 +32,10 @@ use std::collections::BTreeMap;
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::kernels::{self, Heads, Real};
 use super::row_adapters::{AdapterId, AdapterSet};
 use super::{Error, Result};
 use crate::base::gemm::{self, Threads};
+use crate::base::kernels::{self, Heads, Real};
 use crate::base::{BlockContext, Linear, Llama, Positions};
 use crate::lora::{Adapter, AdapterGrads, ModuleKey, Target};
 

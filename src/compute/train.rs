@@ -10,10 +10,10 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::kernels::{with_real, Real};
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::tape::{self, SegmentLora};
 use super::{Error, Result};
+use crate::base::kernels::{with_real, Real};
 use crate::base::{Llama, Positions};
 use crate::lora::AdapterGrads;
 use crate::rl::ppo::token_loss_and_grad;

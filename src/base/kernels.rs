@@ -1,9 +1,11 @@
 //! Fused CPU kernels of the train step's hand-written forward and backward
-//! ([`super::tape`]), in f32 and f64 (the f64 path serves the finite-difference
-//! gradient check). Each reads its inputs once and writes one new tensor (the
-//! log-prob gradient overwrites its logits instead), in parallel over rows,
-//! where candle would chain several single-pass ops and allocate a tensor for
-//! each.
+//! (`compute::tape`), in f32 and f64 (the f64 path serves the finite-difference
+//! gradient check), also used by the model's forward when it records no
+//! gradient ([`super::model`]). Each reads its inputs once and writes one new
+//! tensor (the log-prob gradient overwrites its logits instead), in parallel
+//! over rows, where candle would chain several single-pass ops and allocate a
+//! tensor for each. Their loops are built for each instruction set the CPU
+//! may have (`per_isa!`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -11,7 +13,7 @@ use std::ops::Range;
 use candle_core::{bail, Device, Error, Result, Shape, Storage, StorageRef, Tensor, WithDType};
 use rayon::prelude::*;
 
-use crate::base::few_rows;
+use super::few_rows::{self, Isa};
 
 /// The float types the kernels run in.
 pub trait Real: WithDType {
@@ -20,27 +22,41 @@ pub trait Real: WithDType {
     /// In f32 [`exp_f32`]: +∞ above 88.3 (libm: above 88.72), 0 below -87.3.
     fn exp(self) -> Self;
     fn sqrt(self) -> Self;
+    /// The value in f64 (inlined, unlike `WithDType::to_f64`, so sums of it vectorise).
+    fn wide(self) -> f64;
 }
 
 impl Real for f32 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+    #[inline(always)]
     fn exp(self) -> Self {
         exp_f32(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> Self {
         f32::sqrt(self)
+    }
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self as f64
     }
 }
 
 impl Real for f64 {
     const ZERO: Self = 0.0;
     const ONE: Self = 1.0;
+    #[inline(always)]
     fn exp(self) -> Self {
         f64::exp(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> Self {
         f64::sqrt(self)
+    }
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
     }
 }
 
@@ -108,6 +124,121 @@ macro_rules! with_real {
     };
 }
 pub(crate) use with_real;
+
+/// Defines `fn name<T: Real>(isa: Isa, args…)` from a body compiled once per
+/// instruction set of [`Isa`], so its loops vectorise into AVX-512 or AVX2
+/// registers: the crate builds for baseline x86-64, where they get SSE2's
+/// four lanes. The body never asks for a fused multiply-add, and its sums
+/// keep [`LANES`] accumulators whatever the register width, so every variant
+/// gives the same bits (unit test). An `isa` this CPU does not run falls
+/// back to the portable build.
+macro_rules! per_isa {
+    (
+        $(#[$attr:meta])*
+        $vis:vis fn $name:ident<T: Real>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block
+    ) => {
+        $(#[$attr])*
+        $vis fn $name<T: Real>(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body<T: Real>($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn avx512<T: Real>($($arg: $ty),*) $(-> $ret)? {
+                body::<T>($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2<T: Real>($($arg: $ty),*) $(-> $ret)? {
+                body::<T>($($arg),*)
+            }
+            match isa {
+                // SAFETY: `runs_here` checked that this CPU has the features.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 if isa.runs_here() => unsafe { avx512::<T>($($arg),*) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 if isa.runs_here() => unsafe { avx2::<T>($($arg),*) },
+                _ => body::<T>($($arg),*),
+            }
+        }
+    };
+}
+
+/// Independent accumulators of the kernels' sums and maxima. One running sum
+/// is a chain of dependent adds that the compiler may not reorder, so it
+/// runs one value at a time; sixteen partial results fill an AVX-512
+/// register (or four SSE ones) and are combined in one fixed order.
+const LANES: usize = 16;
+
+/// `Σᵢ term(aᵢ, bᵢ, cᵢ)` over three equally long slices, in [`LANES`]
+/// partial sums (of type `S`, which may be wider than the values).
+#[inline(always)]
+fn lane_sum3<S: Real, A: Copy, B: Copy, C: Copy>(
+    a: &[A],
+    b: &[B],
+    c: &[C],
+    term: impl Fn(A, B, C) -> S,
+) -> S {
+    let mut acc = [S::ZERO; LANES];
+    let mut add = |a: &[A], b: &[B], c: &[C]| {
+        for (((acc, &a), &b), &c) in acc.iter_mut().zip(a).zip(b).zip(c) {
+            *acc += term(a, b, c);
+        }
+    };
+    let (a, b, c) = (
+        a.chunks_exact(LANES),
+        b.chunks_exact(LANES),
+        c.chunks_exact(LANES),
+    );
+    let tails = (a.remainder(), b.remainder(), c.remainder());
+    for ((a, b), c) in a.zip(b).zip(c) {
+        add(a, b, c);
+    }
+    add(tails.0, tails.1, tails.2);
+    combine(acc, |x, y| x + y)
+}
+
+/// [`lane_sum3`] over two slices.
+#[inline(always)]
+fn lane_sum2<S: Real, A: Copy, B: Copy>(a: &[A], b: &[B], term: impl Fn(A, B) -> S) -> S {
+    lane_sum3(a, b, b, |a, b, _| term(a, b))
+}
+
+/// [`lane_sum3`] over one slice.
+#[inline(always)]
+fn lane_sum<S: Real, A: Copy>(a: &[A], term: impl Fn(A) -> S) -> S {
+    lane_sum3(a, a, a, |a, _, _| term(a))
+}
+
+/// The largest of `x` (`-∞` for none; NaN is passed over), in [`LANES`] partial maxima.
+#[inline(always)]
+fn lane_max<T: Real>(x: &[T]) -> T {
+    let bigger = |m: T, v: T| if v > m { v } else { m };
+    let mut acc = [T::from_f64(f64::NEG_INFINITY); LANES];
+    let mut take = |x: &[T]| {
+        for (acc, &v) in acc.iter_mut().zip(x) {
+            *acc = bigger(*acc, v);
+        }
+    };
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    chunks.for_each(&mut take);
+    take(tail);
+    combine(acc, bigger)
+}
+
+/// Folds [`LANES`] partial results pairwise, always in the same order.
+#[inline(always)]
+fn combine<T: Copy>(mut acc: [T; LANES], op: impl Fn(T, T) -> T) -> T {
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] = op(acc[i], acc[i + width]);
+        }
+    }
+    acc[0]
+}
 
 /// A read lock on a contiguous CPU tensor's values.
 struct View<'a> {
@@ -216,9 +347,20 @@ fn check_len(what: &str, actual: usize, expected: usize) -> Result<()> {
 }
 
 /// `1 / √(mean(x²) + ε)` of one row.
+#[inline(always)]
 fn inverse_rms<T: Real>(x: &[T], eps: f64) -> T {
-    let sum = x.iter().fold(T::ZERO, |s, &v| s + v * v);
+    let sum = lane_sum(x, |v| v * v);
     T::ONE / (sum / T::from_f64(x.len() as f64) + T::from_f64(eps)).sqrt()
+}
+
+per_isa! {
+    /// One row of [`rms_norm`].
+    fn rms_norm_row<T: Real>(y: &mut [T], x: &[T], w: &[T], eps: f64) {
+        let r = inverse_rms(x, eps);
+        for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+            *y = x * r * w;
+        }
+    }
 }
 
 /// RMSNorm over the last axis: `x · r · w`, `r = 1/√(mean(x²) + ε)`.
@@ -227,12 +369,9 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let (xv, wv) = (View::of(x)?, View::of(w)?);
     let (xs, ws) = (xv.values::<T>()?, wv.values::<T>()?);
     check_len("RMSNorm weight", ws.len(), d)?;
+    let isa = Isa::best();
     let out = filled(xs.len(), d, |i, y| {
-        let x = &xs[i * d..][..d];
-        let r = inverse_rms(x, eps);
-        for ((y, &x), &w) in y.iter_mut().zip(x).zip(ws) {
-            *y = x * r * w;
-        }
+        rms_norm_row(isa, y, &xs[i * d..][..d], ws, eps)
     })?;
     tensor(out, x.shape())
 }
@@ -256,24 +395,27 @@ pub fn rms_norm_backward<T: Real>(
     if let Some(rs) = rs {
         check_len("RMSNorm residual", rs.len(), xs.len())?;
     }
-    let n = T::from_f64(d as f64);
+    let isa = Isa::best();
     let out = filled(xs.len(), d, |i, dx| {
-        let (x, g) = (&xs[i * d..][..d], &gs[i * d..][..d]);
         if let Some(rs) = rs {
             dx.copy_from_slice(&rs[i * d..][..d]);
         }
-        let r = inverse_rms(x, eps);
-        let dot = x
-            .iter()
-            .zip(g)
-            .zip(ws)
-            .fold(T::ZERO, |s, ((&x, &g), &w)| s + g * w * x * r);
-        let mean = dot / n;
-        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(ws) {
-            *dx += r * (g * w - x * r * mean);
-        }
+        let (x, g) = (&xs[i * d..][..d], &gs[i * d..][..d]);
+        rms_norm_backward_row(isa, dx, x, g, ws, eps)
     })?;
     tensor(out, x.shape())
+}
+
+per_isa! {
+    /// One row of [`rms_norm_backward`], added to `dx`.
+    fn rms_norm_backward_row<T: Real>(dx: &mut [T], x: &[T], g: &[T], w: &[T], eps: f64) {
+        let r = inverse_rms(x, eps);
+        let dot = lane_sum3(x, g, w, |x, g, w| g * w * x) * r;
+        let mean = dot / T::from_f64(x.len() as f64);
+        for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(w) {
+            *dx += r * (g * w - x * r * mean);
+        }
+    }
 }
 
 /// The shape of one RoPE'd projection: `rows` sequences of `n` tokens, `heads`
@@ -312,18 +454,15 @@ pub fn rope_heads<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, s: Heads) -> 
     let (xv, cv, sv) = (View::of(x)?, View::of(cos)?, View::of(sin)?);
     let (xs, cs, ss) = (xv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
     s.check(xs, cs, ss)?;
+    let isa = Isa::best();
     // One chunk per (row, head): n·hd output values.
     let out = filled(xs.len(), s.n * hd, |rh, y| {
         let (r, h) = (rh / s.heads, rh % s.heads);
         for (i, y) in y.chunks_mut(hd).enumerate() {
             let src = ((r * s.n + i) * s.heads + h) * hd;
             let trig = (r * s.n + i) * half;
-            for j in 0..half {
-                let (x1, x2) = (xs[src + j], xs[src + half + j]);
-                let (c, sn) = (cs[trig + j], ss[trig + j]);
-                y[j] = x1 * c - x2 * sn;
-                y[half + j] = x2 * c + x1 * sn;
-            }
+            let (cos, sin) = (&cs[trig..][..half], &ss[trig..][..half]);
+            rotate(isa, y, &xs[src..][..hd], cos, sin, T::ONE);
         }
     })?;
     tensor(out, (s.rows, s.heads, s.n, hd))
@@ -341,21 +480,33 @@ pub fn rope_heads_backward<T: Real>(
     let (gv, cv, sv) = (View::of(g)?, View::of(cos)?, View::of(sin)?);
     let (gs, cs, ss) = (gv.values::<T>()?, cv.values::<T>()?, sv.values::<T>()?);
     s.check(gs, cs, ss)?;
+    let isa = Isa::best();
     // One chunk per token (row, i): heads·hd output values.
     let out = filled(gs.len(), s.heads * hd, |ri, y| {
         let (r, i) = (ri / s.n, ri % s.n);
-        let trig = ri * half;
+        let (cos, sin) = (&cs[ri * half..][..half], &ss[ri * half..][..half]);
         for (h, y) in y.chunks_mut(hd).enumerate() {
             let src = ((r * s.heads + h) * s.n + i) * hd;
-            for j in 0..half {
-                let (g1, g2) = (gs[src + j], gs[src + half + j]);
-                let (c, sn) = (cs[trig + j], ss[trig + j]);
-                y[j] = g1 * c + g2 * sn;
-                y[half + j] = g2 * c - g1 * sn;
-            }
+            rotate(isa, y, &gs[src..][..hd], cos, sin, T::from_f64(-1.0));
         }
     })?;
     tensor(out, (s.rows * s.n, s.heads * hd))
+}
+
+per_isa! {
+    /// One head of one token rotated "rotate half" style by `sign`·θ:
+    /// `y = (x₁c − x₂s', x₂c + x₁s')`, `s' = sign·sin` (−1 undoes the rotation).
+    fn rotate<T: Real>(y: &mut [T], x: &[T], cos: &[T], sin: &[T], sign: T) {
+        let half = cos.len();
+        let (x1, x2) = x.split_at(half);
+        let (y1, y2) = y.split_at_mut(half);
+        let values = y1.iter_mut().zip(y2).zip(x1.iter().zip(x2));
+        for (((y1, y2), (&x1, &x2)), (&c, &s)) in values.zip(cos.iter().zip(sin)) {
+            let s = sign * s;
+            *y1 = x1 * c - x2 * s;
+            *y2 = x2 * c + x1 * s;
+        }
+    }
 }
 
 /// Attention probabilities `softmax(scale·s + mask)` over the last axis, for
@@ -376,22 +527,27 @@ pub fn masked_softmax<T: Real>(scores: &Tensor, mask: &Tensor, scale: f64) -> Re
     let (ss, ms) = (sv.values::<T>()?, mv.values::<T>()?);
     check_len("scores", ss.len(), rows * per_row)?;
     check_len("mask", ms.len(), rows * n * slots)?;
-    let scale = T::from_f64(scale);
+    let (scale, isa) = (T::from_f64(scale), Isa::best());
     let out = filled(ss.len(), slots, |q, p| {
         let (r, i) = (q * slots / per_row, q % n);
         let s = &ss[q * slots..][..slots];
         let m = &ms[(r * n + i) * slots..][..slots];
-        let mut max = T::from_f64(f64::NEG_INFINITY);
-        for ((p, &s), &m) in p.iter_mut().zip(s).zip(m) {
-            *p = scale * s + m;
-            max = if *p > max { *p } else { max };
-        }
-        // exp in a loop of its own, without the sum, so that it vectorises.
-        p.iter_mut().for_each(|p| *p = (*p - max).exp());
-        let sum = p.iter().fold(T::ZERO, |sum, &p| sum + p);
-        p.iter_mut().for_each(|p| *p /= sum);
+        softmax_row(isa, p, s, m, scale)
     })?;
     tensor(out, scores.shape())
+}
+
+per_isa! {
+    /// One query row of [`masked_softmax`]: `p = softmax(scale·s + m)`.
+    pub(crate) fn softmax_row<T: Real>(p: &mut [T], s: &[T], m: &[T], scale: T) {
+        for ((p, &s), &m) in p.iter_mut().zip(s).zip(m) {
+            *p = scale * s + m;
+        }
+        let max = lane_max(p);
+        p.iter_mut().for_each(|p| *p = (*p - max).exp());
+        let sum = lane_sum(p, |p| p);
+        p.iter_mut().for_each(|p| *p /= sum);
+    }
 }
 
 /// The gradient of [`masked_softmax`] with respect to the unscaled scores:
@@ -401,15 +557,22 @@ pub fn masked_softmax_backward<T: Real>(p: &Tensor, g: &Tensor, scale: f64) -> R
     let (pv, gv) = (View::of(p)?, View::of(g)?);
     let (ps, gs) = (pv.values::<T>()?, gv.values::<T>()?);
     check_len("softmax gradient", gs.len(), ps.len())?;
-    let scale = T::from_f64(scale);
+    let (scale, isa) = (T::from_f64(scale), Isa::best());
     let out = filled(ps.len(), slots, |i, d| {
         let (p, g) = (&ps[i * slots..][..slots], &gs[i * slots..][..slots]);
-        let dot = p.iter().zip(g).fold(T::ZERO, |s, (&p, &g)| s + p * g);
+        softmax_backward_row(isa, d, p, g, scale)
+    })?;
+    tensor(out, p.shape())
+}
+
+per_isa! {
+    /// One row of [`masked_softmax_backward`].
+    fn softmax_backward_row<T: Real>(d: &mut [T], p: &[T], g: &[T], scale: T) {
+        let dot = lane_sum2(p, g, |p, g| p * g);
         for ((d, &p), &g) in d.iter_mut().zip(p).zip(g) {
             *d = scale * p * (g - dot);
         }
-    })?;
-    tensor(out, p.shape())
+    }
 }
 
 /// For `logits`, the row-major values of `[n, vocab]` with one target token
@@ -433,63 +596,97 @@ pub fn target_logprob_grad<T: Real>(
     if let Some(t) = targets.iter().find(|&&t| t as usize >= vocab) {
         bail!("target token {t} outside the vocabulary of {vocab}")
     }
+    let isa = Isa::best();
     Ok(logits
         .par_chunks_mut(vocab)
         .enumerate()
         .map(|(i, z)| {
-            let max = z
-                .iter()
-                .copied()
-                .fold(z[0], |m, v| if v > m { v } else { m });
             let target = targets[i] as usize;
             let target_logit = z[target];
-            z.iter_mut().for_each(|z| *z = (*z - max).exp());
-            let sum = z.iter().fold(0f64, |sum, z| sum + z.to_f64());
+            let (max, sum) = exp_shifted(isa, z);
             let logp = (target_logit - max).to_f64() - sum.ln();
             let g = dloss(i, logp);
-            let scale = T::from_f64(-g / sum);
-            z.iter_mut().for_each(|z| *z *= scale);
+            scale_in_place(isa, z, T::from_f64(-g / sum));
             z[target] += T::from_f64(g);
             logp
         })
         .collect())
 }
 
-/// The LoRA delta of single-token rows (a decode step) against a batch's
-/// concatenated factors `a` `[n·r, in]` and `b_t` `[n·r, out]` (B
-/// pre-scaled): row `i` uses rank block `slots[i]` (`None`: no adapter, zeros),
-/// `Δᵢ = (xᵢ·a[block]ᵀ)·b_t[block]`. `x` is `[rows, in]`, f32. Rows sharing
-/// an adapter shrink together in the few-row kernel, in pieces of up to
-/// [`LORA_PIECE_ROWS`] so a batch on one adapter still spreads over threads.
+per_isa! {
+    /// `z ← exp(z − max z)`; returns `max z` and the new values' sum, in f64.
+    fn exp_shifted<T: Real>(z: &mut [T]) -> (T, f64) {
+        let max = lane_max(z);
+        z.iter_mut().for_each(|z| *z = (*z - max).exp());
+        (max, lane_sum(z, |z| z.wide()))
+    }
+}
+
+per_isa! {
+    /// `max z` and `Σ exp(z − max z)` (the sum in f64), without writing `z`.
+    fn shifted_exp_sum<T: Real>(z: &[T]) -> (T, f64) {
+        let max = lane_max(z);
+        (max, lane_sum(z, |z| (z - max).exp().wide()))
+    }
+}
+
+/// `log softmax(logits)[token]`, computed as [`target_logprob_grad`] does.
+pub fn log_softmax_at(logits: &[f32], token: usize) -> f32 {
+    let (max, sum) = shifted_exp_sum(Isa::best(), logits);
+    ((logits[token] - max) as f64 - sum.ln()) as f32
+}
+
+per_isa! {
+    /// `z ← scale·z`.
+    fn scale_in_place<T: Real>(z: &mut [T], scale: T) {
+        z.iter_mut().for_each(|z| *z *= scale);
+    }
+}
+
+/// `y` plus the LoRA delta of single-token rows (a decode step) against a
+/// batch's concatenated factors `a` `[n·r, in]` and `b_t` `[n·r, out]` (B
+/// pre-scaled): row `i` uses rank block `slots[i]` (`None`: no adapter, no
+/// delta), `Δᵢ = (xᵢ·a[block]ᵀ)·b_t[block]`. `x` is `[rows, in]`, `y`
+/// `[rows, out]`, f32. Rows sharing an adapter shrink together in the
+/// few-row kernel, in pieces of up to [`LORA_PIECE_ROWS`] so a batch on one
+/// adapter still spreads over threads.
 pub fn row_lora(
     x: &Tensor,
     a: &Tensor,
     b_t: &Tensor,
     slots: &[Option<usize>],
     rank: usize,
+    y: &Tensor,
 ) -> Result<Tensor> {
     let (rows, in_dim) = x.dims2()?;
     let (width, a_in) = a.dims2()?;
     let (b_width, out_dim) = b_t.dims2()?;
     let fits = |s: &Option<usize>| s.is_none_or(|s| (s + 1) * rank <= width);
     let empty = in_dim == 0 || out_dim == 0 || rank == 0;
-    if empty || rows != slots.len() || a_in != in_dim || b_width != width || !slots.iter().all(fits)
+    if empty
+        || rows != slots.len()
+        || a_in != in_dim
+        || b_width != width
+        || !slots.iter().all(fits)
+        || y.dims() != [rows, out_dim]
     {
         bail!(
-            "row_lora: x {:?}, A {:?}, B {:?}, {} slots of rank {rank}",
+            "row_lora: x {:?}, A {:?}, B {:?}, y {:?}, {} slots of rank {rank}",
             x.shape(),
             a.shape(),
             b_t.shape(),
+            y.shape(),
             slots.len()
         )
     }
-    let (xv, av, bv) = (View::of(x)?, View::of(a)?, View::of(b_t)?);
+    let (xv, av, bv, yv) = (View::of(x)?, View::of(a)?, View::of(b_t)?, View::of(y)?);
     let (xs, a, b) = (
         xv.values::<f32>()?,
         av.values::<f32>()?,
         bv.values::<f32>()?,
     );
-    let mut out = vec![0f32; rows * out_dim];
+    let isa = Isa::best();
+    let mut out = yv.values::<f32>()?.to_vec();
     let mut pieces = Vec::new();
     let mut rest = out.as_mut_slice();
     let mut start = 0;
@@ -508,15 +705,56 @@ pub fn row_lora(
             let x = &xs[start * in_dim..(start + len) * in_dim];
             let a = &a[slot * rank * in_dim..(slot + 1) * rank * in_dim];
             let u = few_rows::matmul_t_serial(x, a, len, in_dim, rank).map_err(Error::Msg)?;
+            let b = &b[slot * rank * out_dim..][..rank * out_dim];
             for (y, u) in y.chunks_exact_mut(out_dim).zip(u.chunks_exact(rank)) {
-                for (j, &u) in u.iter().enumerate() {
-                    let b = &b[(slot * rank + j) * out_dim..][..out_dim];
-                    y.iter_mut().zip(b).for_each(|(y, &b)| *y += u * b);
-                }
+                expand(isa, y, u, b);
             }
             Ok::<_, Error>(())
         })?;
     tensor(out, (rows, out_dim))
+}
+
+per_isa! {
+    /// `y += Σⱼ uⱼ·b_t[j]`, `j` in order: one row's LoRA expand, or one
+    /// query's weighted sum of values.
+    pub(crate) fn expand<T: Real>(y: &mut [T], u: &[T], b_t: &[T]) {
+        for (&u, b) in u.iter().zip(b_t.chunks_exact(y.len())) {
+            y.iter_mut().zip(b).for_each(|(y, &b)| *y += u * b);
+        }
+    }
+}
+
+/// `a + b`, elementwise.
+pub fn add<T: Real>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    elementwise(a, b, "addend", add_piece::<T>)
+}
+
+/// `piece` over two tensors of as many values, in parallel pieces of
+/// [`CHUNK`] values; the result has `a`'s shape. `what` names `b` in errors.
+fn elementwise<T: Real>(
+    a: &Tensor,
+    b: &Tensor,
+    what: &str,
+    piece: fn(Isa, &mut [T], &[T], &[T]),
+) -> Result<Tensor> {
+    let (av, bv) = (View::of(a)?, View::of(b)?);
+    let (left, right) = (av.values::<T>()?, bv.values::<T>()?);
+    check_len(what, right.len(), left.len())?;
+    let isa = Isa::best();
+    let out = filled(left.len(), CHUNK, |i, y| {
+        let at = i * CHUNK..i * CHUNK + y.len();
+        piece(isa, y, &left[at.clone()], &right[at])
+    })?;
+    tensor(out, a.shape())
+}
+
+per_isa! {
+    /// A piece of [`add`].
+    fn add_piece<T: Real>(y: &mut [T], a: &[T], b: &[T]) {
+        for ((y, &a), &b) in y.iter_mut().zip(a).zip(b) {
+            *y = a + b;
+        }
+    }
 }
 
 /// Rows per parallel task of [`row_lora`] (default 4).
@@ -525,23 +763,23 @@ const LORA_PIECE_ROWS: usize = 4;
 /// Values per parallel task of the elementwise kernels below.
 const CHUNK: usize = 4096;
 
+#[inline(always)]
 fn sigmoid<T: Real>(x: T) -> T {
     T::ONE / (T::ONE + (T::ZERO - x).exp())
 }
 
 /// SwiGLU's product `silu(gate) ⊙ up`.
 pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let (gv, uv) = (View::of(gate)?, View::of(up)?);
-    let (gs, us) = (gv.values::<T>()?, uv.values::<T>()?);
-    check_len("SwiGLU up", us.len(), gs.len())?;
-    let out = filled(gs.len(), CHUNK, |i, y| {
-        let at = i * CHUNK..i * CHUNK + y.len();
-        let (g, u) = (&gs[at.clone()], &us[at]);
-        for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+    elementwise(gate, up, "SwiGLU up", swiglu_piece::<T>)
+}
+
+per_isa! {
+    /// A piece of [`swiglu`].
+    fn swiglu_piece<T: Real>(y: &mut [T], gate: &[T], up: &[T]) {
+        for ((y, &g), &u) in y.iter_mut().zip(gate).zip(up) {
             *y = g * sigmoid(g) * u;
         }
-    })?;
-    tensor(out, gate.shape())
+    }
 }
 
 /// The gradients of [`swiglu`] given its output gradient `d`:
@@ -555,17 +793,31 @@ pub fn swiglu_backward<T: Real>(
     let (gs, us, ds) = (gv.values::<T>()?, uv.values::<T>()?, dv.values::<T>()?);
     check_len("SwiGLU up", us.len(), gs.len())?;
     check_len("SwiGLU gradient", ds.len(), gs.len())?;
+    let isa = Isa::best();
     let (d_gate, d_up) = filled_pair(gs.len(), CHUNK, |i, dg, du| {
         let at = i * CHUNK..i * CHUNK + dg.len();
         let (g, u, d) = (&gs[at.clone()], &us[at.clone()], &ds[at]);
-        let values = dg.iter_mut().zip(du).zip(g.iter().zip(u).zip(d));
+        swiglu_backward_piece(isa, dg, du, g, u, d)
+    })?;
+    Ok((tensor(d_gate, gate.shape())?, tensor(d_up, gate.shape())?))
+}
+
+per_isa! {
+    /// A piece of [`swiglu_backward`].
+    fn swiglu_backward_piece<T: Real>(
+        d_gate: &mut [T],
+        d_up: &mut [T],
+        gate: &[T],
+        up: &[T],
+        d: &[T],
+    ) {
+        let values = d_gate.iter_mut().zip(d_up).zip(gate.iter().zip(up).zip(d));
         for ((dg, du), ((&g, &u), &d)) in values {
             let s = sigmoid(g);
             *dg = d * u * s * (T::ONE + g * (T::ONE - s));
             *du = d * g * s;
         }
-    })?;
-    Ok((tensor(d_gate, gate.shape())?, tensor(d_up, gate.shape())?))
+    }
 }
 
 #[cfg(test)]
@@ -719,6 +971,70 @@ mod tests {
         let plain = (gate.silu().unwrap() * &up).unwrap();
         assert!(max_abs_diff(&ours, &plain) < 1e-5);
         assert_eq!(ours.dtype(), DType::F32);
+    }
+
+    /// Every instruction set's build of each row kernel gives the bits of
+    /// the portable build, on lengths that leave a partial group of lanes.
+    #[test]
+    fn every_isa_gives_the_same_bits() {
+        let run = |isa: Isa, n: usize| -> Vec<Vec<u32>> {
+            let v = |seed| few_rows::test_values(n, seed);
+            let (x, g, w) = (v(1), v(2), v(3));
+            let mut outs = Vec::new();
+            let mut out = vec![0f32; n];
+            softmax_row(isa, &mut out, &x, &g, 0.37);
+            outs.push(out.clone());
+            softmax_backward_row(isa, &mut out, &x, &g, 0.37);
+            outs.push(out.clone());
+            rms_norm_row(isa, &mut out, &x, &w, 1e-5);
+            outs.push(out.clone());
+            out.copy_from_slice(&g);
+            rms_norm_backward_row(isa, &mut out, &x, &g, &w, 1e-5);
+            outs.push(out.clone());
+            swiglu_piece(isa, &mut out, &x, &g);
+            outs.push(out.clone());
+            let mut d_up = vec![0f32; n];
+            swiglu_backward_piece(isa, &mut out, &mut d_up, &x, &g, &w);
+            outs.extend([out.clone(), d_up]);
+            let half = n / 2;
+            let mut rotated = vec![0f32; 2 * half];
+            rotate(
+                isa,
+                &mut rotated,
+                &x[..2 * half],
+                &g[..half],
+                &w[..half],
+                -1.0,
+            );
+            outs.push(rotated);
+            let mut z = x.iter().map(|v| v * 30.0).collect::<Vec<f32>>();
+            assert_eq!(shifted_exp_sum(isa, &z), shifted_exp_sum(Isa::Portable, &z));
+            let (max, sum) = exp_shifted(isa, &mut z);
+            assert_eq!(
+                (max, sum),
+                shifted_exp_sum(isa, &x.iter().map(|v| v * 30.0).collect::<Vec<f32>>())
+            );
+            scale_in_place(isa, &mut z, 0.3);
+            outs.extend([
+                z,
+                vec![max],
+                vec![sum as f32, (sum - sum as f32 as f64) as f32],
+            ]);
+            if n >= 3 {
+                let mut y = w[..n / 3].to_vec();
+                expand(isa, &mut y, &x[..3], &g[..n / 3 * 3]);
+                outs.push(y);
+            }
+            outs.into_iter()
+                .map(|o| o.iter().map(|v| v.to_bits()).collect())
+                .collect()
+        };
+        for n in [1, 15, 16, 37, 581] {
+            let portable = run(Isa::Portable, n);
+            for isa in Isa::available() {
+                assert_eq!(run(isa, n), portable, "{isa:?}, {n} values");
+            }
+        }
     }
 
     #[test]
