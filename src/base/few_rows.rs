@@ -63,7 +63,11 @@ impl Isa {
     pub(crate) fn runs_here(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"),
+            Isa::Avx512 => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             Isa::Portable => true,

@@ -4,8 +4,9 @@
 //! gradient ([`super::model`]). Each reads its inputs once and writes one new
 //! tensor (the log-prob gradient overwrites its logits instead), in parallel
 //! over rows, where candle would chain several single-pass ops and allocate a
-//! tensor for each. Their loops are built for each instruction set the CPU
-//! may have (`per_isa!`).
+//! tensor for each. Decode attention and generation's log-probs use their
+//! row functions too. Their loops are built for each instruction set the
+//! CPU may have (`per_isa!`).
 
 use std::mem::MaybeUninit;
 use std::ops::Range;
@@ -22,8 +23,8 @@ pub trait Real: WithDType {
     /// In f32 [`exp_f32`]: +∞ above 88.3 (libm: above 88.72), 0 below -87.3.
     fn exp(self) -> Self;
     fn sqrt(self) -> Self;
-    /// The value in f64 (inlined, unlike `WithDType::to_f64`, so sums of it vectorise).
-    fn wide(self) -> f64;
+    /// The value in f64 (always inlined, unlike `WithDType::to_f64`, so sums of it vectorise).
+    fn as_f64(self) -> f64;
 }
 
 impl Real for f32 {
@@ -38,7 +39,7 @@ impl Real for f32 {
         f32::sqrt(self)
     }
     #[inline(always)]
-    fn wide(self) -> f64 {
+    fn as_f64(self) -> f64 {
         self as f64
     }
 }
@@ -55,7 +56,7 @@ impl Real for f64 {
         f64::sqrt(self)
     }
     #[inline(always)]
-    fn wide(self) -> f64 {
+    fn as_f64(self) -> f64 {
         self
     }
 }
@@ -169,6 +170,7 @@ macro_rules! per_isa {
 /// runs one value at a time; sixteen partial results fill an AVX-512
 /// register (or four SSE ones) and are combined in one fixed order.
 const LANES: usize = 16;
+const _: () = assert!(LANES.is_power_of_two(), "combine halves the lanes");
 
 /// `Σᵢ term(aᵢ, bᵢ, cᵢ)` over three equally long slices, in [`LANES`]
 /// partial sums (of type `S`, which may be wider than the values).
@@ -179,23 +181,25 @@ fn lane_sum3<S: Real, A: Copy, B: Copy, C: Copy>(
     c: &[C],
     term: impl Fn(A, B, C) -> S,
 ) -> S {
-    let mut acc = [S::ZERO; LANES];
-    let mut add = |a: &[A], b: &[B], c: &[C]| {
-        for (((acc, &a), &b), &c) in acc.iter_mut().zip(a).zip(b).zip(c) {
-            *acc += term(a, b, c);
+    debug_assert!(a.len() == b.len() && b.len() == c.len());
+    let mut partial = [S::ZERO; LANES];
+    let mut add = |xs: &[A], ys: &[B], zs: &[C]| {
+        let terms = xs.iter().zip(ys).zip(zs);
+        for (sum, ((&x, &y), &z)) in partial.iter_mut().zip(terms) {
+            *sum += term(x, y, z);
         }
     };
-    let (a, b, c) = (
+    let (xs, ys, zs) = (
         a.chunks_exact(LANES),
         b.chunks_exact(LANES),
         c.chunks_exact(LANES),
     );
-    let tails = (a.remainder(), b.remainder(), c.remainder());
-    for ((a, b), c) in a.zip(b).zip(c) {
-        add(a, b, c);
+    let tails = (xs.remainder(), ys.remainder(), zs.remainder());
+    for ((x, y), z) in xs.zip(ys).zip(zs) {
+        add(x, y, z);
     }
     add(tails.0, tails.1, tails.2);
-    combine(acc, |x, y| x + y)
+    combine(partial, |x, y| x + y)
 }
 
 /// [`lane_sum3`] over two slices.
@@ -516,7 +520,13 @@ pub fn masked_softmax<T: Real>(scores: &Tensor, mask: &Tensor, scale: f64) -> Re
     let slots = last_dim(scores)?;
     let (rows, _, n, mask_slots) = mask.dims4()?;
     let per_row = scores.elem_count() / rows.max(1);
-    if rows == 0 || n == 0 || mask_slots != slots || !per_row.is_multiple_of(n * slots) {
+    let same_rows = scores.dims().first() == Some(&rows);
+    if rows == 0
+        || n == 0
+        || mask_slots != slots
+        || !same_rows
+        || !per_row.is_multiple_of(n * slots)
+    {
         bail!(
             "masked softmax: scores {:?}, mask {:?}",
             scores.shape(),
@@ -603,7 +613,7 @@ pub fn target_logprob_grad<T: Real>(
         .map(|(i, z)| {
             let target = targets[i] as usize;
             let target_logit = z[target];
-            let (max, sum) = exp_shifted(isa, z);
+            let (max, sum) = exp_shifted_in_place(isa, z);
             let logp = (target_logit - max).to_f64() - sum.ln();
             let g = dloss(i, logp);
             scale_in_place(isa, z, T::from_f64(-g / sum));
@@ -615,24 +625,24 @@ pub fn target_logprob_grad<T: Real>(
 
 per_isa! {
     /// `z ← exp(z − max z)`; returns `max z` and the new values' sum, in f64.
-    fn exp_shifted<T: Real>(z: &mut [T]) -> (T, f64) {
+    fn exp_shifted_in_place<T: Real>(z: &mut [T]) -> (T, f64) {
         let max = lane_max(z);
         z.iter_mut().for_each(|z| *z = (*z - max).exp());
-        (max, lane_sum(z, |z| z.wide()))
+        (max, lane_sum(z, |z| z.as_f64()))
     }
 }
 
 per_isa! {
     /// `max z` and `Σ exp(z − max z)` (the sum in f64), without writing `z`.
-    fn shifted_exp_sum<T: Real>(z: &[T]) -> (T, f64) {
+    fn max_and_exp_sum<T: Real>(z: &[T]) -> (T, f64) {
         let max = lane_max(z);
-        (max, lane_sum(z, |z| (z - max).exp().wide()))
+        (max, lane_sum(z, |z| (z - max).exp().as_f64()))
     }
 }
 
 /// `log softmax(logits)[token]`, computed as [`target_logprob_grad`] does.
 pub fn log_softmax_at(logits: &[f32], token: usize) -> f32 {
-    let (max, sum) = shifted_exp_sum(Isa::best(), logits);
+    let (max, sum) = max_and_exp_sum(Isa::best(), logits);
     ((logits[token] - max) as f64 - sum.ln()) as f32
 }
 
@@ -718,6 +728,9 @@ per_isa! {
     /// `y += Σⱼ uⱼ·b_t[j]`, `j` in order: one row's LoRA expand, or one
     /// query's weighted sum of values.
     pub(crate) fn expand<T: Real>(y: &mut [T], u: &[T], b_t: &[T]) {
+        if y.is_empty() {
+            return;
+        }
         for (&u, b) in u.iter().zip(b_t.chunks_exact(y.len())) {
             y.iter_mut().zip(b).for_each(|(y, &b)| *y += u * b);
         }
@@ -729,17 +742,19 @@ pub fn add<T: Real>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     elementwise(a, b, "addend", add_piece::<T>)
 }
 
-/// `piece` over two tensors of as many values, in parallel pieces of
-/// [`CHUNK`] values; the result has `a`'s shape. `what` names `b` in errors.
+/// `piece` over two tensors of one shape, in parallel pieces of [`CHUNK`]
+/// values. `what` names `b` in errors.
 fn elementwise<T: Real>(
     a: &Tensor,
     b: &Tensor,
     what: &str,
     piece: fn(Isa, &mut [T], &[T], &[T]),
 ) -> Result<Tensor> {
+    if a.shape() != b.shape() {
+        bail!("{what}: {:?}, expected {:?}", b.shape(), a.shape())
+    }
     let (av, bv) = (View::of(a)?, View::of(b)?);
     let (left, right) = (av.values::<T>()?, bv.values::<T>()?);
-    check_len(what, right.len(), left.len())?;
     let isa = Isa::best();
     let out = filled(left.len(), CHUNK, |i, y| {
         let at = i * CHUNK..i * CHUNK + y.len();
@@ -760,7 +775,8 @@ per_isa! {
 /// Rows per parallel task of [`row_lora`] (default 4).
 const LORA_PIECE_ROWS: usize = 4;
 
-/// Values per parallel task of the elementwise kernels below.
+/// Values per parallel task of the elementwise kernels ([`elementwise`],
+/// SwiGLU's backward).
 const CHUNK: usize = 4096;
 
 #[inline(always)]
@@ -1008,11 +1024,11 @@ mod tests {
             );
             outs.push(rotated);
             let mut z = x.iter().map(|v| v * 30.0).collect::<Vec<f32>>();
-            assert_eq!(shifted_exp_sum(isa, &z), shifted_exp_sum(Isa::Portable, &z));
-            let (max, sum) = exp_shifted(isa, &mut z);
+            assert_eq!(max_and_exp_sum(isa, &z), max_and_exp_sum(Isa::Portable, &z));
+            let (max, sum) = exp_shifted_in_place(isa, &mut z);
             assert_eq!(
                 (max, sum),
-                shifted_exp_sum(isa, &x.iter().map(|v| v * 30.0).collect::<Vec<f32>>())
+                max_and_exp_sum(isa, &x.iter().map(|v| v * 30.0).collect::<Vec<f32>>())
             );
             scale_in_place(isa, &mut z, 0.3);
             outs.extend([

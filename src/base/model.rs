@@ -437,28 +437,9 @@ impl Llama {
         let (heads, kv_heads, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
 
         let a = rms_norm(h, &block.attn_norm, cfg.rms_norm_eps)?;
-        let split = |t: Tensor, nh: usize| -> Result<Tensor> {
-            Ok(t.reshape((rows, n, nh, hd))?
-                .transpose(1, 2)?
-                .contiguous()?)
-        };
-        let split_rope = |t: Tensor, nh: usize| -> Result<Tensor> {
-            if !fusable(&t) {
-                return rope(&split(t, nh)?, cos, sin);
-            }
-            let s = Heads {
-                rows,
-                n,
-                heads: nh,
-                head_dim: hd,
-            };
-            let flat = t.reshape((rows * n, nh * hd))?.contiguous()?;
-            let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-            Ok(kernels::rope_heads::<f32>(&flat, &cos, &sin, s)?)
-        };
-        let q = split_rope(proj(Target::Q, &a)?, heads)?;
-        let k = split_rope(proj(Target::K, &a)?, kv_heads)?;
-        let v = split(proj(Target::V, &a)?, kv_heads)?;
+        let q = split_rope(&proj(Target::Q, &a)?, heads, hd, cos, sin)?;
+        let k = split_rope(&proj(Target::K, &a)?, kv_heads, hd, cos, sin)?;
+        let v = split_heads(&proj(Target::V, &a)?, kv_heads, hd)?;
         let (k, v) = match cache {
             Some(c) => c.append(layer, k, v)?,
             None => (k, v),
@@ -505,11 +486,11 @@ fn fusable(t: &Tensor) -> bool {
     !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu()
 }
 
-/// RMSNorm: `x / √(mean(x²) + ε) · w`. Fused kernels (ours on the CPU in
-/// f32, candle's elsewhere; here, in [`rope`] and [`swiglu`]) have no
-/// backward, so they serve only passes that record no gradient; the plain-op
-/// form keeps this forward differentiable (the train step has its own
-/// kernels and backward, `compute::tape`).
+/// RMSNorm: `x / √(mean(x²) + ε) · w`. The fused kernels (here ours in f32
+/// on the CPU and candle's elsewhere, likewise for RoPE in [`split_rope`])
+/// have no backward, so they serve only passes that record no gradient; the
+/// plain-op form keeps this forward differentiable (the train step has its
+/// own kernels and backward, `compute::tape`).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if fusable(x) && fusable(weight) {
         return Ok(kernels::rms_norm::<f32>(&x.contiguous()?, weight, eps)?);
@@ -526,8 +507,8 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(normed.broadcast_mul(weight)?)
 }
 
-/// `h + y`, on the fused kernels' threads when no gradient is recorded (a
-/// decode step's additions are too small to be worth waking candle's own).
+/// `h + y`: without a gradient, one vectorised pass on the same threads as
+/// the rest of the pass's kernels.
 fn residual(h: &Tensor, y: &Tensor) -> Result<Tensor> {
     if fusable(h) && fusable(y) {
         return Ok(kernels::add::<f32>(&h.contiguous()?, &y.contiguous()?)?);
@@ -544,6 +525,39 @@ fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         )?);
     }
     Ok((gate.silu()? * up)?)
+}
+
+/// A projection `[rows, new, heads·head_dim]` split into heads:
+/// `[rows, heads, new, head_dim]`.
+fn split_heads(t: &Tensor, heads: usize, head_dim: usize) -> Result<Tensor> {
+    let (rows, n, _) = t.dims3()?;
+    Ok(t.reshape((rows, n, heads, head_dim))?
+        .transpose(1, 2)?
+        .contiguous()?)
+}
+
+/// [`split_heads`] then [`rope`], in one fused pass when no gradient is
+/// recorded.
+fn split_rope(
+    t: &Tensor,
+    heads: usize,
+    head_dim: usize,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let (rows, n, _) = t.dims3()?;
+    if !fusable(t) || rows * n == 0 {
+        return rope(&split_heads(t, heads, head_dim)?, cos, sin);
+    }
+    let shape = Heads {
+        rows,
+        n,
+        heads,
+        head_dim,
+    };
+    let flat = t.reshape((rows * n, heads * head_dim))?.contiguous()?;
+    let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
+    Ok(kernels::rope_heads::<f32>(&flat, &cos, &sin, shape)?)
 }
 
 /// HF ("rotate half") RoPE on `[rows, heads, new, head_dim]`.
@@ -571,7 +585,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize)
     let (rows, heads, n, hd) = q.dims4()?;
     let slots = k.dim(2)?;
     let group = heads / kv_heads;
-    if fusable(q) && fusable(k) && fusable(mask) {
+    if fusable(q) && fusable(k) && fusable(mask) && q.elem_count() > 0 && slots > 0 {
         // Scale, mask and softmax in one pass over the scores.
         let q = q.reshape((rows, kv_heads, group * n, hd))?;
         let scores = gemm::matmul(&q, &k.t()?)?.reshape((rows, heads, n, slots))?;

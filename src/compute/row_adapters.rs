@@ -386,8 +386,8 @@ mod tests {
         // A decode step's fused pass agrees too (one token per row, no gradient).
         let one = x.as_tensor().narrow(1, 0, 1).unwrap().detach();
         let out_dim = masked.dim(1).unwrap();
-        let zeros = Tensor::zeros((rows.len(), out_dim), DType::F32, &Device::Cpu).unwrap();
-        let fused = hook.decode_add(factors, &one, &zeros).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (rows.len(), out_dim), &Device::Cpu).unwrap();
+        let fused = (hook.decode_add(factors, &one, &y).unwrap() - &y).unwrap();
         let plain = hook.masked_delta(factors, &one).unwrap();
         let diff = (&fused - &plain).unwrap().abs().unwrap().max_all().unwrap();
         assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
@@ -400,9 +400,9 @@ mod tests {
             .unwrap();
         assert_eq!(none_row.to_scalar::<f32>().unwrap(), 0.0);
         // With trainable factors the hook keeps the graph, even for one token per row.
-        let y = Tensor::zeros((rows.len(), 1, out_dim), DType::F32, &Device::Cpu);
-        let tracked = hook.add_delta(key.layer, key.target, &one, y.unwrap());
-        assert!(tracked.unwrap().track_op());
+        let zeros = Tensor::zeros((rows.len(), 1, out_dim), DType::F32, &Device::Cpu).unwrap();
+        let tracked = hook.add_delta(key.layer, key.target, &one, zeros).unwrap();
+        assert!(tracked.track_op());
 
         let weights = Tensor::randn(0f32, 1.0, masked.dims(), &Device::Cpu).unwrap();
         let grads = |d: &Tensor| {
