@@ -1009,6 +1009,8 @@ mod tests {
             outs.push(out.clone());
             swiglu_piece(isa, &mut out, &x, &g);
             outs.push(out.clone());
+            add_piece(isa, &mut out, &x, &g);
+            outs.push(out.clone());
             let mut d_up = vec![0f32; n];
             swiglu_backward_piece(isa, &mut out, &mut d_up, &x, &g, &w);
             outs.extend([out.clone(), d_up]);
