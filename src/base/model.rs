@@ -585,21 +585,22 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize)
     let (rows, heads, n, hd) = q.dims4()?;
     let slots = k.dim(2)?;
     let group = heads / kv_heads;
-    if fusable(q) && fusable(k) && fusable(mask) && q.elem_count() > 0 && slots > 0 {
-        // Scale, mask and softmax in one pass over the scores.
-        let q = q.reshape((rows, kv_heads, group * n, hd))?;
-        let scores = gemm::matmul(&q, &k.t()?)?.reshape((rows, heads, n, slots))?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let probs = kernels::masked_softmax::<f32>(&scores, &mask.contiguous()?, scale)?;
-        let probs = probs.reshape((rows, kv_heads, group * n, slots))?;
-        return Ok(gemm::matmul(&probs, v)?.reshape((rows, heads, n, hd))?);
-    }
-    // Scaling q rather than the scores touches n·hd values instead of n·slots.
-    let q = (q / (hd as f64).sqrt())?.reshape((rows, kv_heads, group * n, hd))?;
-    let scores = gemm::matmul(&q, &k.t()?)?;
-    let scores = scores
-        .reshape((rows, heads, n, slots))?
-        .broadcast_add(mask)?;
-    let probs = softmax(&scores)?.reshape((rows, kv_heads, group * n, slots))?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let fused = fusable(q) && fusable(k) && fusable(mask) && q.elem_count() > 0 && slots > 0;
+    // Unfused, scaling q rather than the scores touches n·hd values instead
+    // of n·slots; fused, scale, mask and softmax are one pass over the scores.
+    let q = if fused {
+        q.clone()
+    } else {
+        (q / (hd as f64).sqrt())?
+    };
+    let q = q.reshape((rows, kv_heads, group * n, hd))?;
+    let scores = gemm::matmul(&q, &k.t()?)?.reshape((rows, heads, n, slots))?;
+    let probs = if fused {
+        kernels::masked_softmax::<f32>(&scores, &mask.contiguous()?, scale)?
+    } else {
+        softmax(&scores.broadcast_add(mask)?)?
+    };
+    let probs = probs.reshape((rows, kv_heads, group * n, slots))?;
     Ok(gemm::matmul(&probs, v)?.reshape((rows, heads, n, hd))?)
 }
