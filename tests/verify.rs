@@ -34,8 +34,11 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Pids of processes running as the sandbox's unprivileged uid.
+/// Pids of processes running as the sandbox's unprivileged uid, except the
+/// pools' checkers: those are our own children and live as long as their pool
+/// (a program's processes descend from a zygote, never from us).
 fn sandbox_processes(uid: u32) -> Vec<u32> {
+    let me = std::process::id();
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -44,12 +47,14 @@ fn sandbox_processes(uid: u32) -> Vec<u32> {
         let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
             continue;
         };
-        let real_uid = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|u| u.parse::<u32>().ok());
-        if real_uid == Some(uid) {
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|value| value.parse::<u32>().ok())
+        };
+        if field("Uid:") == Some(uid) && field("PPid:") != Some(me) {
             pids.push(pid);
         }
     }
@@ -794,4 +799,135 @@ fn a_deeply_nested_result_is_malformed_not_a_zygote_failure() {
         }
     }
     assert_no_sandbox_processes(pool.config().unprivileged_uid);
+}
+
+/// Pids of the checkers of pools in this process: our own children, with
+/// `"role":"checker"` in their configuration argument.
+fn checker_pids() -> Vec<i32> {
+    let me = std::process::id().to_string();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let (Ok(status), Ok(cmdline)) = (
+            std::fs::read_to_string(entry.path().join("status")),
+            std::fs::read(entry.path().join("cmdline")),
+        ) else {
+            continue;
+        };
+        let parent = status.lines().find_map(|l| l.strip_prefix("PPid:"));
+        let is_checker = cmdline
+            .windows(br#""role":"checker""#.len())
+            .any(|w| w == br#""role":"checker""#);
+        if parent.map(str::trim) == Some(me.as_str()) && is_checker {
+            pids.push(pid);
+        }
+    }
+    pids.sort_unstable();
+    pids
+}
+
+/// Jobs of every kind that needs a checker, with their expected statuses.
+fn checked_jobs() -> Vec<(Job, Status)> {
+    let program = "def f(xs, k):\n    return sorted(xs)[:k]";
+    vec![
+        (proposal(program, "[5, 1, 4], 2"), Status::Ok),
+        (
+            proposal("import os\ndef f(a):\n    return a", "1"),
+            Status::BannedImport,
+        ),
+        (
+            Job::Output {
+                predicted: "[1, 4]".into(),
+                gold: "[1,4]".into(),
+            },
+            Status::Ok,
+        ),
+        (
+            Job::Input {
+                program: program.into(),
+                predicted_input: "[3, 2, 9], 1".into(),
+                gold_output: "[2]".into(),
+            },
+            Status::Ok,
+        ),
+        (
+            Job::Induction {
+                program: program.into(),
+                pairs: vec![
+                    ("[2, 1], 1".into(), "[1]".into()),
+                    ("[7, 8], 2".into(), "[8, 7]".into()),
+                ],
+            },
+            Status::Mismatch,
+        ),
+    ]
+}
+
+fn statuses(pool: &VerifierPool, jobs: &[(Job, Status)]) -> Vec<Status> {
+    let batch: Vec<Job> = jobs.iter().map(|(job, _)| job.clone()).collect();
+    pool.batch(&batch)
+        .into_iter()
+        .map(|outcome| outcome.expect("a verdict, not a sandbox error").status())
+        .collect()
+}
+
+/// Checkers killed between batches are replaced: the next batch gets the
+/// same verdicts, and fresh checkers serve it.
+#[test]
+fn killed_checkers_are_replaced() {
+    let _guard = serial();
+    let pool = pool(2);
+    let jobs = checked_jobs();
+    let expected: Vec<Status> = jobs.iter().map(|(_, status)| *status).collect();
+    assert_eq!(statuses(&pool, &jobs), expected);
+    let killed = checker_pids();
+    assert_eq!(killed.len(), 2, "checkers: {killed:?}");
+    for pid in &killed {
+        // SAFETY: kill has no memory-safety preconditions; the pid is our child.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    assert_eq!(statuses(&pool, &jobs), expected);
+    let fresh = checker_pids();
+    assert_eq!(fresh.len(), 2, "checkers: {fresh:?}");
+    assert!(
+        fresh.iter().all(|pid| !killed.contains(pid)),
+        "{killed:?} → {fresh:?}"
+    );
+}
+
+/// A program whose parse exhausts the checker's memory gets its own verdict
+/// inside a batch; the jobs around it in the same message keep theirs, and the
+/// checker, its heap grown past the retirement size, is replaced.
+#[test]
+fn a_program_too_big_to_parse_retires_its_checker() {
+    let _guard = serial();
+    let pool = VerifierPool::new(SandboxConfig {
+        workers: 1,
+        limits: Limits {
+            timeout_ms: TEST_TIMEOUT_MS,
+            program_bytes: 16 << 20,
+            ..Limits::default()
+        },
+        ..SandboxConfig::default()
+    })
+    .expect("start the sandbox pool");
+    let before = checker_pids();
+    let huge = format!("def f(a):\n    return [{}]", "1,".repeat(3_000_000));
+    let mut jobs = checked_jobs();
+    let expected: Vec<Status> = jobs.iter().map(|(_, status)| *status).collect();
+    jobs.insert(2, (proposal(&huge, "1"), Status::SyntaxError));
+    let got = statuses(&pool, &jobs);
+    assert!(
+        matches!(got[2], Status::SyntaxError | Status::MemoryLimit),
+        "{got:?}"
+    );
+    let mut rest = got.clone();
+    rest.remove(2);
+    assert_eq!(rest, expected);
+    assert_eq!(statuses(&pool, &checked_jobs()), expected);
+    let after = checker_pids();
+    assert_eq!(after.len(), 1, "checkers: {after:?}");
+    assert_ne!(before, after, "the checker was not replaced");
 }

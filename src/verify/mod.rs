@@ -1,23 +1,34 @@
 //! The Python sandbox: everything a model writes runs here and nowhere else.
 //!
-//! A [`VerifierPool`] owns workers, each a warm Python "zygote" process
-//! (`zygote.py`) that isolates itself once — new mount, network and pid
-//! namespaces with `/` remounted read-only and a fresh tmpfs on `/tmp`, a
-//! Landlock ruleset — and then forks one child per job. Each child gets its own
-//! process group, rlimits, a fresh temp dir that is removed afterwards, an
-//! unprivileged uid (when we are root) and a wall-clock deadline after which
-//! everything it started is killed. Layers that the kernel or our privileges
-//! refuse are skipped; [`VerifierPool::layers`] says which are active.
+//! A [`VerifierPool`] owns warm Python server processes (`server.py`) of two
+//! roles. Each isolates itself once: new mount and network namespaces with `/`
+//! remounted read-only, a Landlock ruleset.
+//! - A *zygote* (also in a new pid namespace, with a fresh tmpfs on `/tmp`)
+//!   forks one child per program run. Each child gets its own process group,
+//!   rlimits, a fresh temp dir that is removed afterwards, an unprivileged uid
+//!   (when we are root) and a wall-clock deadline after which everything it
+//!   started is killed.
+//! - A *checker* does everything that does not run a program: it parses a
+//!   program and its inputs with `ast`, applies the checks, computes the
+//!   features and compiles both, and it compares answers. It drops to the same
+//!   uid, rlimits and Landlock rules as a child and serves many jobs, so this
+//!   work runs warm instead of in a freshly forked child, where copy-on-write
+//!   faults made it ~5x dearer. It never executes what it is given, and a
+//!   checker that is slow or dies on an input gives that job a verdict
+//!   (`Timeout`, `Crashed`) and is replaced.
+//!
+//! Layers that the kernel or our privileges refuse are skipped;
+//! [`VerifierPool::layers`] says which are active.
 //!
 //! The AST checks (one function, no banned imports or names) are a filter for
 //! honest mistakes, not the boundary: the OS layers are.
 //!
 //! Comparisons never run next to untrusted code: a program's outputs come back
-//! as reprs and are compared with gold answers in a second, clean child
+//! as reprs and are compared with gold answers by a checker
 //! (`ast.literal_eval` both sides, `==`), so a program cannot forge a match.
 
 mod pool;
-mod zygote;
+mod server;
 
 pub use pool::{Job, Outcome, VerifierPool};
 
@@ -72,7 +83,7 @@ impl Status {
     }
 }
 
-/// An isolation layer that a zygote reports as active.
+/// An isolation layer that a server reports as active.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Layer {
@@ -83,7 +94,7 @@ pub enum Layer {
     NetNamespace,
     /// Children live in the zygote's pid namespace; it kills all of them after each job.
     PidNamespace,
-    /// `/` and every other mount read-only, a private tmpfs for work dirs.
+    /// `/` and every other mount read-only; a zygote adds a private tmpfs for work dirs.
     MountNamespace,
     /// Namespaces obtained through a user namespace (we are not root).
     UserNamespace,
@@ -188,7 +199,7 @@ pub struct SandboxConfig {
     /// The interpreter. Default: `$POPULORA_PYTHON`, else `/usr/bin/python3`
     /// (readable by the unprivileged uid, unlike a per-user install), else `python3`.
     pub python: PathBuf,
-    /// Number of zygotes. Default: available parallelism.
+    /// Number of zygotes, and of checkers. Default: available parallelism.
     pub workers: usize,
     pub limits: Limits,
     /// Try mount/net/pid namespaces (user namespaces when not root). Default true.
@@ -233,22 +244,22 @@ pub fn default_python() -> PathBuf {
 /// Failures of the sandbox itself (never of the program under test).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot start the Python zygote {python}: {source}")]
+    #[error("cannot start the Python sandbox server {python}: {source}")]
     Spawn {
         python: PathBuf,
         source: std::io::Error,
     },
-    #[error("the Python zygote refused to start: {0}")]
+    #[error("the Python sandbox server refused to start: {0}")]
     Refused(String),
-    #[error("I/O with the Python zygote failed: {0}")]
+    #[error("I/O with the Python sandbox server failed: {0}")]
     Io(#[from] std::io::Error),
-    #[error("the Python zygote did not answer within {0} ms")]
+    #[error("the Python sandbox server did not answer within {0} ms")]
     Unresponsive(u64),
-    #[error("the Python zygote exited ({0})")]
+    #[error("the Python sandbox server exited ({0})")]
     Exited(String),
-    #[error("malformed message from the Python zygote: {0}")]
+    #[error("malformed message from the Python sandbox server: {0}")]
     Protocol(String),
-    #[error("the Python zygote could not run the job: {0}")]
+    #[error("the Python sandbox server could not run the job: {0}")]
     Job(String),
     #[error("invalid sandbox configuration: {0}")]
     Config(String),

@@ -1,10 +1,18 @@
-//! `VerifierPool`: a set of zygote workers behind a synchronous API. Jobs are
-//! independent, so results never depend on which worker ran them or when.
+//! `VerifierPool`: checkers and zygotes behind a synchronous API. Jobs are
+//! independent, so results never depend on which server ran them or when.
 
-use super::zygote::{Reply, Request, Zygote};
+use super::server::{Reply, Request, Role, Server};
 use super::{Error, Judgement, Layer, Limits, SandboxConfig, Status, Validation};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
+
+/// One stage's reply for one job of a batch; `None` where the stage had
+/// nothing to do for it.
+type Slot = Option<Result<Reply, Error>>;
+
+/// Checker jobs per message in a batch: one wake-up for many jobs, and a
+/// checker whose caches stay warm from one job to the next.
+const CHECKS_PER_MESSAGE: usize = 32;
 
 /// One unit of verification work, for [`VerifierPool::batch`].
 #[derive(Debug, Clone, PartialEq)]
@@ -47,37 +55,39 @@ impl Outcome {
     }
 }
 
-/// Workers each owning one zygote. All methods are synchronous and may be
-/// called from many threads at once; a call waits for a free worker.
+/// `config.workers` checkers and as many zygotes. A program is prepared by a
+/// checker (parsed, checked, compiled) and run by a zygote; answers are
+/// compared by a checker. All methods are synchronous and may be called from
+/// many threads at once; a call waits for a free server of the role it needs.
 pub struct VerifierPool {
     config: SandboxConfig,
-    idle: Mutex<Vec<Option<Zygote>>>,
-    freed: Condvar,
-    layers: Mutex<Vec<Layer>>,
+    checkers: Servers,
+    zygotes: Servers,
 }
 
 impl VerifierPool {
-    /// Start `config.workers` zygotes (fails if none can start).
+    /// Start `config.workers` servers of each role (fails if one cannot start).
     pub fn new(config: SandboxConfig) -> Result<VerifierPool, Error> {
         if config.workers == 0 {
             return Err(Error::Config("workers must be at least 1".into()));
         }
-        let mut zygotes = Vec::with_capacity(config.workers);
-        for _ in 0..config.workers {
-            zygotes.push(Zygote::start(&config)?);
-        }
-        let layers = zygotes[0].layers.clone();
         Ok(VerifierPool {
+            checkers: Servers::start(&config, Role::Checker)?,
+            zygotes: Servers::start(&config, Role::Zygote)?,
             config,
-            idle: Mutex::new(zygotes.into_iter().map(Some).collect()),
-            freed: Condvar::new(),
-            layers: Mutex::new(layers),
         })
     }
 
-    /// Isolation layers active in the most recently started zygote.
+    /// Isolation layers active in the most recently started zygote: those of
+    /// every program run.
     pub fn layers(&self) -> Vec<Layer> {
-        lock(&self.layers).clone()
+        lock(&self.zygotes.layers).clone()
+    }
+
+    /// Isolation layers active in the most recently started checker, which
+    /// parses programs and answers but never runs them.
+    pub fn checker_layers(&self) -> Vec<Layer> {
+        lock(&self.checkers.layers).clone()
     }
 
     pub fn config(&self) -> &SandboxConfig {
@@ -92,51 +102,22 @@ impl VerifierPool {
     /// function, no `input(`, no banned imports or names, runs within the
     /// limits, and two runs give the same `repr(f(*args))[:400]`.
     pub fn validate_proposal(&self, program: &str, input: &str) -> Result<Validation, Error> {
-        let limits = self.limits();
-        if let Some(rejected) = oversize(program, limits.program_bytes, Text::Code("program"))
-            .or_else(|| oversize(input, limits.answer_bytes, Text::Answer("input")))
-        {
-            return Ok(Validation {
-                status: rejected.status,
-                output: None,
-                reason: rejected.reason,
-                features: None,
-                function: None,
-                wall_ms: 0.0,
-            });
+        match self.run(&Job::Proposal {
+            program: program.into(),
+            input: input.into(),
+        })? {
+            Outcome::Proposal(validation) => Ok(validation),
+            Outcome::Check(_) => Err(Error::Job("a proposal was judged as a check".into())),
         }
-        let reply = self.call(&Request::Program {
-            program,
-            inputs: vec![input],
-            checks: true,
-            runs: 2,
-        })?;
-        let ok = reply.status == Status::Ok;
-        Ok(Validation {
-            status: reply.status,
-            output: if ok {
-                reply.outputs.into_iter().next()
-            } else {
-                None
-            },
-            reason: reply.reason,
-            features: if ok { reply.features } else { None },
-            function: if ok { reply.function } else { None },
-            wall_ms: reply.wall_ms,
-        })
     }
 
     /// Deduction: `predicted` and `gold` are reprs; equal as Python literals
     /// (or, when either is not a literal, as stripped strings).
     pub fn check_output(&self, predicted: &str, gold: &str) -> Result<Judgement, Error> {
-        if let Some(rejected) = oversize(
-            predicted,
-            self.limits().answer_bytes,
-            Text::Answer("predicted output"),
-        ) {
-            return Ok(rejected);
-        }
-        self.compare(&[(predicted, gold)], 0.0)
+        judged(self.run(&Job::Output {
+            predicted: predicted.into(),
+            gold: gold.into(),
+        })?)
     }
 
     /// Abduction: run `program` on `predicted_input` and compare with `gold_output`.
@@ -146,29 +127,11 @@ impl VerifierPool {
         predicted_input: &str,
         gold_output: &str,
     ) -> Result<Judgement, Error> {
-        let limits = self.limits();
-        if let Some(rejected) = oversize(program, limits.program_bytes, Text::Code("program"))
-            .or_else(|| {
-                oversize(
-                    predicted_input,
-                    limits.answer_bytes,
-                    Text::Answer("predicted input"),
-                )
-            })
-        {
-            return Ok(rejected);
-        }
-        let run = self.call(&Request::Program {
-            program,
-            inputs: vec![predicted_input],
-            checks: true,
-            runs: 1,
-        })?;
-        if run.status != Status::Ok {
-            return Ok(judgement(run.status, run.reason, run.wall_ms));
-        }
-        let output = single_output(&run)?;
-        self.compare(&[(output, gold_output)], run.wall_ms)
+        judged(self.run(&Job::Input {
+            program: program.into(),
+            predicted_input: predicted_input.into(),
+            gold_output: gold_output.into(),
+        })?)
     }
 
     /// Induction: the solver's `program` must map every hidden input to its
@@ -178,46 +141,10 @@ impl VerifierPool {
         program: &str,
         pairs: &[(String, String)],
     ) -> Result<Judgement, Error> {
-        let limits = self.limits();
-        if let Some(rejected) = oversize(program, limits.program_bytes, Text::Code("program")) {
-            return Ok(rejected);
-        }
-        if pairs.is_empty() {
-            return Ok(judgement(
-                Status::BadInput,
-                "no input/output pairs to check".into(),
-                0.0,
-            ));
-        }
-        if let Some(rejected) = pairs
-            .iter()
-            .find_map(|(i, _)| oversize(i, limits.answer_bytes, Text::Answer("input")))
-        {
-            return Ok(rejected);
-        }
-        let run = self.call(&Request::Program {
-            program,
-            inputs: pairs.iter().map(|(i, _)| i.as_str()).collect(),
-            checks: true,
-            runs: 1,
-        })?;
-        if run.status != Status::Ok {
-            return Ok(judgement(run.status, run.reason, run.wall_ms));
-        }
-        if run.outputs.len() != pairs.len() {
-            return Err(Error::Protocol(format!(
-                "{} outputs for {} inputs",
-                run.outputs.len(),
-                pairs.len()
-            )));
-        }
-        let compared: Vec<(&str, &str)> = run
-            .outputs
-            .iter()
-            .zip(pairs)
-            .map(|(got, (_, gold))| (got.as_str(), gold.as_str()))
-            .collect();
-        self.compare(&compared, run.wall_ms)
+        judged(self.run(&Job::Induction {
+            program: program.into(),
+            pairs: pairs.to_vec(),
+        })?)
     }
 
     /// HumanEval-style: run `program`, then `test` (which defines
@@ -229,56 +156,149 @@ impl VerifierPool {
         test: &str,
         entry_point: &str,
     ) -> Result<Judgement, Error> {
-        let limits = self.limits();
-        if let Some(rejected) = oversize(program, limits.program_bytes, Text::Code("program"))
-            .or_else(|| oversize(test, limits.program_bytes, Text::Code("test code")))
-        {
-            return Ok(rejected);
-        }
-        let reply = self.call(&Request::Humaneval {
-            program,
-            test,
-            entry_point,
-        })?;
-        Ok(judgement(reply.status, reply.reason, reply.wall_ms))
+        judged(self.run(&Job::HumanEval {
+            program: program.into(),
+            test: test.into(),
+            entry_point: entry_point.into(),
+        })?)
     }
 
     /// Run one job of any kind.
     pub fn run(&self, job: &Job) -> Result<Outcome, Error> {
-        Ok(match job {
-            Job::Proposal { program, input } => {
-                Outcome::Proposal(self.validate_proposal(program, input)?)
-            }
-            Job::Output { predicted, gold } => Outcome::Check(self.check_output(predicted, gold)?),
-            Job::Input {
-                program,
-                predicted_input,
-                gold_output,
-            } => Outcome::Check(self.check_input(program, predicted_input, gold_output)?),
-            Job::Induction { program, pairs } => {
-                Outcome::Check(self.check_induction(program, pairs)?)
-            }
-            Job::HumanEval {
-                program,
-                test,
-                entry_point,
-            } => Outcome::Check(self.run_humaneval(program, test, entry_point)?),
-        })
+        self.batch(std::slice::from_ref(job))
+            .pop()
+            .unwrap_or_else(|| Err(Error::Job("a batch of one returned nothing".into())))
     }
 
-    /// Run many jobs over all workers in parallel; results come back in input order.
+    /// Run many jobs over all servers; results come back in input order. Three
+    /// stages, each spread over every server of its role:
+    /// 1. checkers prepare every program (parse, checks, features, compile)
+    ///    and compare every plain answer, many jobs per message;
+    /// 2. zygotes run every prepared program and HumanEval problem, each in a
+    ///    fresh child;
+    /// 3. checkers compare what abduction and induction runs returned.
     pub fn batch(&self, jobs: &[Job]) -> Vec<Result<Outcome, Error>> {
+        let rejected: Vec<Option<Judgement>> = jobs
+            .iter()
+            .map(|job| rejection(job, self.limits()))
+            .collect();
+        let live: Vec<Option<&Job>> = jobs
+            .iter()
+            .zip(&rejected)
+            .map(|(job, rejected)| rejected.is_none().then_some(job))
+            .collect();
+        let first: Vec<Option<Request>> = live.iter().map(|job| first_check((*job)?)).collect();
+        let mut checked = self.checks(&first);
+        let runs: Vec<Option<Request>> = live
+            .iter()
+            .zip(&checked)
+            .map(|(job, checked)| run_request((*job)?, checked))
+            .collect();
+        let mut ran = self.each(Role::Zygote, &runs);
+        drop(runs);
+        let last: Vec<Option<Request>> = live
+            .iter()
+            .zip(&ran)
+            .map(|(job, ran)| compare_request((*job)?, ran))
+            .collect();
+        let mut compared = self.checks(&last);
+        drop(last);
+        jobs.iter()
+            .zip(rejected)
+            .enumerate()
+            .map(|(i, (job, rejected))| match rejected {
+                Some(rejected) => Ok(rejected_outcome(job, rejected)),
+                None => outcome(
+                    job,
+                    Stages {
+                        checked: checked[i].take(),
+                        ran: ran[i].take(),
+                        compared: compared[i].take(),
+                    },
+                ),
+            })
+            .collect()
+    }
+
+    /// Checker requests, many per message; a slot without a request stays empty.
+    fn checks(&self, requests: &[Option<Request>]) -> Vec<Slot> {
+        let work: Vec<(usize, &Request)> = requests
+            .iter()
+            .enumerate()
+            .filter_map(|(i, request)| Some((i, request.as_ref()?)))
+            .collect();
+        let size = work
+            .len()
+            .div_ceil(self.config.workers)
+            .clamp(1, CHECKS_PER_MESSAGE);
+        let chunks: Vec<&[(usize, &Request)]> = work.chunks(size).collect();
+        let replies = self.parallel(&chunks, |chunk| self.check_chunk(chunk));
+        let mut slots: Vec<Slot> = requests.iter().map(|_| None).collect();
+        for (chunk, replies) in chunks.iter().zip(replies) {
+            let replies =
+                replies.unwrap_or_else(|| chunk.iter().map(|_| Err(panicked())).collect());
+            for ((i, _), reply) in chunk.iter().zip(replies) {
+                slots[*i] = Some(reply);
+            }
+        }
+        slots
+    }
+
+    /// One message for a chunk of checker requests. When it fails as a whole (an
+    /// input too slow to parse, a checker that died), each request again on its
+    /// own, so that only the one at fault gets that verdict.
+    fn check_chunk(&self, chunk: &[(usize, &Request)]) -> Vec<Result<Reply, Error>> {
+        if let [(_, one)] = chunk {
+            return vec![self.call(Role::Checker, one)];
+        }
+        let many = Request::Many {
+            jobs: chunk.iter().map(|(_, request)| *request).collect(),
+        };
+        match self.call(Role::Checker, &many) {
+            Ok(reply) if reply.status == Status::Ok && reply.replies.len() == chunk.len() => {
+                reply.replies.into_iter().map(Ok).collect()
+            }
+            _ => chunk
+                .iter()
+                .map(|(_, request)| self.call(Role::Checker, request))
+                .collect(),
+        }
+    }
+
+    /// Requests to servers of `role`, one per message; a slot without a
+    /// request stays empty.
+    fn each(&self, role: Role, requests: &[Option<Request>]) -> Vec<Slot> {
+        let work: Vec<(usize, &Request)> = requests
+            .iter()
+            .enumerate()
+            .filter_map(|(i, request)| Some((i, request.as_ref()?)))
+            .collect();
+        let replies = self.parallel(&work, |(_, request)| self.call(role, request));
+        let mut slots: Vec<Slot> = requests.iter().map(|_| None).collect();
+        for ((i, _), reply) in work.iter().zip(replies) {
+            slots[*i] = Some(reply.unwrap_or_else(|| Err(panicked())));
+        }
+        slots
+    }
+
+    /// `f` on every item, on as many threads as there are servers of a role;
+    /// results in input order, `None` where a thread panicked.
+    fn parallel<T: Sync, R: Send>(
+        &self,
+        items: &[T],
+        f: impl Fn(&T) -> R + Sync,
+    ) -> Vec<Option<R>> {
         let next = AtomicUsize::new(0);
-        let threads = self.config.workers.min(jobs.len());
-        let finished: Vec<(usize, Result<Outcome, Error>)> = std::thread::scope(|scope| {
+        let threads = self.config.workers.min(items.len());
+        let finished: Vec<(usize, R)> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..threads)
                 .map(|_| {
                     scope.spawn(|| {
                         let mut done = Vec::new();
                         loop {
                             let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some(job) = jobs.get(i) else { break };
-                            done.push((i, self.run(job)));
+                            let Some(item) = items.get(i) else { break };
+                            done.push((i, f(item)));
                         }
                         done
                     })
@@ -289,99 +309,355 @@ impl VerifierPool {
                 .flat_map(|h| h.join().unwrap_or_default())
                 .collect()
         });
-        let mut slots: Vec<Option<Result<Outcome, Error>>> =
-            (0..jobs.len()).map(|_| None).collect();
+        let mut slots: Vec<Option<R>> = items.iter().map(|_| None).collect();
         for (i, result) in finished {
             slots[i] = Some(result);
         }
         slots
-            .into_iter()
-            .map(|slot| slot.unwrap_or_else(|| Err(Error::Job("a worker thread panicked".into()))))
-            .collect()
     }
 
-    fn compare(&self, pairs: &[(&str, &str)], earlier_ms: f64) -> Result<Judgement, Error> {
-        let reply = self.call(&Request::Compare {
-            pairs: pairs.iter().map(|(a, b)| [*a, *b]).collect(),
-        })?;
-        let wall_ms = earlier_ms + reply.wall_ms;
-        if reply.status != Status::Ok {
-            return Ok(judgement(reply.status, reply.reason, wall_ms));
+    fn servers(&self, role: Role) -> &Servers {
+        match role {
+            Role::Checker => &self.checkers,
+            Role::Zygote => &self.zygotes,
         }
-        if reply.equal.len() != pairs.len() {
-            return Err(Error::Protocol(format!(
-                "{} comparisons for {} pairs",
-                reply.equal.len(),
-                pairs.len()
-            )));
+    }
+
+    /// Run a request on a free server of `role`. A server that fails is
+    /// replaced and the request retried once on the fresh one, except a
+    /// checker that did not answer in time: the input itself was too slow to
+    /// parse, so that is the job's verdict. So is a checker dying twice on
+    /// the same input.
+    fn call(&self, role: Role, request: &Request) -> Result<Reply, Error> {
+        let servers = self.servers(role);
+        let mut server = servers.checkout(&self.config)?;
+        let mut result = server.call(request, self.limits());
+        let too_slow = matches!(result, Err(Error::Unresponsive(_))) && role == Role::Checker;
+        if result.is_err() && !too_slow {
+            drop(server);
+            server = match servers.restart(&self.config) {
+                Ok(fresh) => fresh,
+                Err(e) => {
+                    servers.checkin(None);
+                    return Err(e);
+                }
+            };
+            result = server.call(request, self.limits());
         }
-        Ok(match reply.equal.iter().position(|same| !same) {
-            None => judgement(Status::Ok, String::new(), wall_ms),
-            Some(i) => {
-                let (got, gold) = pairs[i];
-                let reason = format!("pair {i}: expected {}, got {}", clip(gold), clip(got));
-                judgement(Status::Mismatch, reason, wall_ms)
-            }
+        if result.is_ok() {
+            servers.checkin(Some(server));
+        } else {
+            drop(server);
+            servers.checkin(None);
+        }
+        match (role, result) {
+            (Role::Checker, Err(Error::Unresponsive(ms))) => Ok(Reply::verdict(
+                Status::Timeout,
+                format!("the checks took longer than {ms} ms"),
+            )),
+            (Role::Checker, Err(Error::Exited(how))) => Ok(Reply::verdict(
+                Status::Crashed,
+                format!("the checker died on this input twice ({how})"),
+            )),
+            (_, result) => result,
+        }
+    }
+}
+
+/// The idle servers of one role. `None` marks a slot for a fresh server on
+/// next use.
+struct Servers {
+    role: Role,
+    idle: Mutex<Vec<Option<Server>>>,
+    freed: Condvar,
+    layers: Mutex<Vec<Layer>>,
+}
+
+impl Servers {
+    fn start(config: &SandboxConfig, role: Role) -> Result<Servers, Error> {
+        let mut servers = Vec::with_capacity(config.workers);
+        for _ in 0..config.workers {
+            servers.push(Server::start(config, role)?);
+        }
+        let layers = servers[0].layers.clone();
+        Ok(Servers {
+            role,
+            idle: Mutex::new(servers.into_iter().map(Some).collect()),
+            freed: Condvar::new(),
+            layers: Mutex::new(layers),
         })
     }
 
-    /// Run a request on a free worker. A zygote that fails is replaced and the
-    /// request retried once on the fresh one.
-    fn call(&self, request: &Request) -> Result<Reply, Error> {
-        let mut zygote = self.checkout()?;
-        let first = zygote.call(request, self.limits());
-        let result = match first {
-            Ok(reply) => Ok(reply),
-            Err(_) => {
-                drop(zygote);
-                zygote = match self.restart() {
-                    Ok(z) => z,
-                    Err(e) => {
-                        self.checkin(None);
-                        return Err(e);
-                    }
-                };
-                zygote.call(request, self.limits())
-            }
-        };
-        if result.is_ok() {
-            self.checkin(Some(zygote));
-        } else {
-            drop(zygote);
-            self.checkin(None);
-        }
-        result
-    }
-
-    fn checkout(&self) -> Result<Zygote, Error> {
+    fn checkout(&self, config: &SandboxConfig) -> Result<Server, Error> {
         let mut idle = lock(&self.idle);
         loop {
             if let Some(slot) = idle.pop() {
                 drop(idle);
                 return match slot {
-                    Some(zygote) => Ok(zygote),
-                    None => self.restart().inspect_err(|_| self.checkin(None)),
+                    Some(server) => Ok(server),
+                    None => self.restart(config).inspect_err(|_| self.checkin(None)),
                 };
             }
             idle = self.freed.wait(idle).unwrap_or_else(|p| p.into_inner());
         }
     }
 
-    /// Return a worker slot; `None` marks it for a fresh zygote on next use.
-    fn checkin(&self, zygote: Option<Zygote>) {
-        lock(&self.idle).push(zygote);
+    fn checkin(&self, server: Option<Server>) {
+        lock(&self.idle).push(server);
         self.freed.notify_one();
     }
 
-    fn restart(&self) -> Result<Zygote, Error> {
-        let zygote = Zygote::start(&self.config)?;
-        *lock(&self.layers) = zygote.layers.clone();
-        Ok(zygote)
+    fn restart(&self, config: &SandboxConfig) -> Result<Server, Error> {
+        let server = Server::start(config, self.role)?;
+        *lock(&self.layers) = server.layers.clone();
+        Ok(server)
     }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn panicked() -> Error {
+    Error::Job("a worker thread panicked".into())
+}
+
+fn judged(outcome: Outcome) -> Result<Judgement, Error> {
+    match outcome {
+        Outcome::Check(judgement) => Ok(judgement),
+        Outcome::Proposal(_) => Err(Error::Job("a check was judged as a proposal".into())),
+    }
+}
+
+/// What a job gets without reaching a server: sizes over the limits, no pairs.
+fn rejection(job: &Job, limits: &Limits) -> Option<Judgement> {
+    let code = |text: &str, name| oversize(text, limits.program_bytes, Text::Code(name));
+    let answer = |text: &str, name| oversize(text, limits.answer_bytes, Text::Answer(name));
+    match job {
+        Job::Proposal { program, input } => {
+            code(program, "program").or_else(|| answer(input, "input"))
+        }
+        Job::Output { predicted, .. } => answer(predicted, "predicted output"),
+        Job::Input {
+            program,
+            predicted_input,
+            ..
+        } => code(program, "program").or_else(|| answer(predicted_input, "predicted input")),
+        Job::Induction { program, pairs } => code(program, "program")
+            .or_else(|| {
+                pairs.is_empty().then(|| {
+                    judgement(
+                        Status::BadInput,
+                        "no input/output pairs to check".into(),
+                        0.0,
+                    )
+                })
+            })
+            .or_else(|| pairs.iter().find_map(|(input, _)| answer(input, "input"))),
+        Job::HumanEval { program, test, .. } => {
+            code(program, "program").or_else(|| code(test, "test code"))
+        }
+    }
+}
+
+fn rejected_outcome(job: &Job, rejected: Judgement) -> Outcome {
+    match job {
+        Job::Proposal { .. } => Outcome::Proposal(failed_validation(
+            rejected.status,
+            rejected.reason,
+            rejected.wall_ms,
+        )),
+        _ => Outcome::Check(rejected),
+    }
+}
+
+fn failed_validation(status: Status, reason: String, wall_ms: f64) -> Validation {
+    Validation {
+        status,
+        output: None,
+        reason,
+        features: None,
+        function: None,
+        wall_ms,
+    }
+}
+
+/// Stage 1: what a checker does for `job`.
+fn first_check(job: &Job) -> Option<Request<'_>> {
+    fn prepare<'a>(program: &'a str, inputs: Vec<&'a str>) -> Option<Request<'a>> {
+        Some(Request::Prepare {
+            program,
+            inputs,
+            checks: true,
+        })
+    }
+    match job {
+        Job::Proposal { program, input } => prepare(program, vec![input.as_str()]),
+        Job::Output { predicted, gold } => Some(Request::Compare {
+            pairs: vec![[predicted.as_str(), gold.as_str()]],
+        }),
+        Job::Input {
+            program,
+            predicted_input,
+            ..
+        } => prepare(program, vec![predicted_input.as_str()]),
+        Job::Induction { program, pairs } => prepare(
+            program,
+            pairs.iter().map(|(input, _)| input.as_str()).collect(),
+        ),
+        Job::HumanEval { .. } => None,
+    }
+}
+
+/// Stage 2: what a zygote runs for `job`, given its stage-1 reply.
+fn run_request<'a>(job: &'a Job, checked: &'a Slot) -> Option<Request<'a>> {
+    let runs = match job {
+        Job::Proposal { .. } => 2,
+        Job::Input { .. } | Job::Induction { .. } => 1,
+        Job::Output { .. } => return None,
+        Job::HumanEval {
+            program,
+            test,
+            entry_point,
+        } => {
+            return Some(Request::Humaneval {
+                program,
+                test,
+                entry_point,
+            })
+        }
+    };
+    let prepared = checked.as_ref()?.as_ref().ok()?;
+    if prepared.status != Status::Ok {
+        return None;
+    }
+    Some(Request::Run {
+        function: prepared.function.as_deref()?,
+        code: prepared.code.as_deref()?,
+        calls: &prepared.calls,
+        runs,
+    })
+}
+
+/// Stage 3: what a checker compares for `job`, given its stage-2 reply.
+fn compare_request<'a>(job: &'a Job, ran: &'a Slot) -> Option<Request<'a>> {
+    let pairs = compared_pairs(job, ran.as_ref()?.as_ref().ok()?)?.ok()?;
+    Some(Request::Compare { pairs })
+}
+
+/// The (got, gold) pairs to compare for `job` after its run; `None` when there
+/// is nothing to compare, an error when the run's outputs do not fit the job.
+fn compared_pairs<'a>(job: &'a Job, run: &'a Reply) -> Option<Result<Vec<[&'a str; 2]>, Error>> {
+    if run.status != Status::Ok {
+        return None;
+    }
+    match job {
+        Job::Input { gold_output, .. } => {
+            Some(single_output(run).map(|got| vec![[got, gold_output.as_str()]]))
+        }
+        Job::Induction { pairs, .. } => Some(if run.outputs.len() == pairs.len() {
+            Ok(run
+                .outputs
+                .iter()
+                .zip(pairs)
+                .map(|(got, (_, gold))| [got.as_str(), gold.as_str()])
+                .collect())
+        } else {
+            Err(Error::Protocol(format!(
+                "{} outputs for {} inputs",
+                run.outputs.len(),
+                pairs.len()
+            )))
+        }),
+        _ => None,
+    }
+}
+
+/// A job's replies from the three stages (`None` where a stage had nothing to do).
+struct Stages {
+    checked: Slot,
+    ran: Slot,
+    compared: Slot,
+}
+
+fn outcome(job: &Job, stages: Stages) -> Result<Outcome, Error> {
+    let missing = || Error::Job("a sandbox stage gave no reply".into());
+    let stage = |reply: Slot| reply.ok_or_else(missing).and_then(|r| r);
+    match job {
+        Job::Proposal { .. } => {
+            let prepared = stage(stages.checked)?;
+            if prepared.status != Status::Ok {
+                return Ok(Outcome::Proposal(failed_validation(
+                    prepared.status,
+                    prepared.reason,
+                    prepared.wall_ms,
+                )));
+            }
+            let run = stage(stages.ran)?;
+            let ok = run.status == Status::Ok;
+            Ok(Outcome::Proposal(Validation {
+                status: run.status,
+                output: if ok {
+                    run.outputs.into_iter().next()
+                } else {
+                    None
+                },
+                reason: run.reason,
+                features: if ok { prepared.features } else { None },
+                function: if ok { prepared.function } else { None },
+                wall_ms: prepared.wall_ms + run.wall_ms,
+            }))
+        }
+        Job::Output { predicted, gold } => {
+            let compared = stage(stages.checked)?;
+            judge(compared, &[[predicted, gold]], 0.0).map(Outcome::Check)
+        }
+        Job::Input { .. } | Job::Induction { .. } => {
+            let prepared = stage(stages.checked)?;
+            if prepared.status != Status::Ok {
+                let failed = judgement(prepared.status, prepared.reason, prepared.wall_ms);
+                return Ok(Outcome::Check(failed));
+            }
+            let run = stage(stages.ran)?;
+            let wall_ms = prepared.wall_ms + run.wall_ms;
+            if run.status != Status::Ok {
+                return Ok(Outcome::Check(judgement(run.status, run.reason, wall_ms)));
+            }
+            let pairs = compared_pairs(job, &run).ok_or_else(missing)??;
+            judge(stage(stages.compared)?, &pairs, wall_ms).map(Outcome::Check)
+        }
+        Job::HumanEval { .. } => {
+            let run = stage(stages.ran)?;
+            Ok(Outcome::Check(judgement(
+                run.status,
+                run.reason,
+                run.wall_ms,
+            )))
+        }
+    }
+}
+
+/// The judgement of a checker's comparison of `pairs` (got, gold).
+fn judge(reply: Reply, pairs: &[[&str; 2]], earlier_ms: f64) -> Result<Judgement, Error> {
+    let wall_ms = earlier_ms + reply.wall_ms;
+    if reply.status != Status::Ok {
+        return Ok(judgement(reply.status, reply.reason, wall_ms));
+    }
+    if reply.equal.len() != pairs.len() {
+        return Err(Error::Protocol(format!(
+            "{} comparisons for {} pairs",
+            reply.equal.len(),
+            pairs.len()
+        )));
+    }
+    Ok(match reply.equal.iter().position(|same| !same) {
+        None => judgement(Status::Ok, String::new(), wall_ms),
+        Some(i) => {
+            let [got, gold] = pairs[i];
+            let reason = format!("pair {i}: expected {}, got {}", clip(gold), clip(got));
+            judgement(Status::Mismatch, reason, wall_ms)
+        }
+    })
 }
 
 fn judgement(status: Status, reason: String, wall_ms: f64) -> Judgement {

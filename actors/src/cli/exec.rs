@@ -48,6 +48,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "wall_ms": v.wall_ms,
         "features": v.features,
         "layers": pool.layers(),
+        "checker_layers": pool.checker_layers(),
     });
     if args.json {
         println!("{value}");
@@ -168,6 +169,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "pool_start_ms": pool_start_ms,
         "outputs_agree": agree,
         "layers": pool.layers(),
+        "checker_layers": pool.checker_layers(),
         "python": config.python.display().to_string(),
     });
     super::bench::report(args.json, &value);

@@ -1,18 +1,29 @@
-# populora sandbox zygote: a trusted fork server. The Rust side starts it with
+# populora sandbox servers. The Rust side starts this file with
 # `python3 -S -s -B -c <this file> <config json>` and an empty environment except
 # PYTHONHASHSEED=0 (set order must not depend on which worker ran a program, and
 # -I would ignore that variable) and LD_BIND_NOW=1 (symbols resolved once here,
 # not in every child). It isolates itself once (namespaces, read-only
 # mounts, a Landlock ruleset), then serves requests: 4-byte big-endian length +
-# UTF-8 JSON on the protocol pipes, one reply per request. Each job runs in a
-# forked child with its own process group, rlimits, temp dir and an
-# unprivileged uid; nothing a program does reaches the zygote except the bytes
-# it writes to its own pipes, which are capped.
+# UTF-8 JSON on the protocol pipes, one reply per request. It plays one of two
+# roles (the config's "role"):
+#
+# - "checker": everything about a program that does not run it. It parses the
+#   program and its inputs with `ast`, applies the checks, computes the
+#   features and compiles both to marshalled code; it also compares answers as
+#   literals. It confines itself like a child (unprivileged uid, rlimits,
+#   Landlock) and serves many jobs, so this work runs warm: in a freshly forked
+#   child, parsing and compiling cost ~5x more, nearly all of it copy-on-write
+#   faults. It never executes what it is given.
+# - "zygote": a trusted fork server. Each job (run prepared code, or a
+#   HumanEval problem) runs in a forked child with its own process group,
+#   rlimits, temp dir and an unprivileged uid; nothing a program does reaches
+#   the zygote except the bytes it writes to its own pipes, which are capped.
 import sys
 
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]
 
 import ast
+import binascii
 import builtins
 import ctypes
 import fcntl
@@ -20,6 +31,7 @@ import gc
 import json
 import json.encoder
 import json.scanner
+import marshal
 import os
 import select
 import resource
@@ -142,11 +154,12 @@ def prctl(option, arg):
     return libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
 
 
-def try_unshare(is_root):
-    """Enter the strongest set of namespaces this process may create."""
+def try_unshare(is_root, pid_namespace):
+    """Enter the strongest set of namespaces this process may create. The
+    checker never forks, so it needs no pid namespace of its own."""
     user = 0 if is_root else CLONE_NEWUSER
-    for flags in (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID,
-                  CLONE_NEWNS | CLONE_NEWNET, CLONE_NEWNET):
+    pid = CLONE_NEWPID if pid_namespace else 0
+    for flags in (CLONE_NEWNS | CLONE_NEWNET | pid, CLONE_NEWNS | CLONE_NEWNET, CLONE_NEWNET):
         if libc.unshare(flags | user) == 0:
             if user and not map_own_ids():
                 return 0
@@ -254,13 +267,17 @@ class State:
 
 
 def isolate(cfg):
+    """Namespaces, read-only mounts and the Landlock ruleset, in this process.
+    The checker needs no temp dirs and no reaping: it never runs a program."""
     st = State()
     st.uid = st.gid = None
     st.seq = 0
     st.pidns = False
-    layers = ["process_group", "rlimits", "temp_dir"]
+    st.work_root = None
+    zygote = cfg["role"] == "zygote"
+    layers = ["process_group", "rlimits", "temp_dir"] if zygote else ["rlimits"]
     is_root = os.geteuid() == 0
-    flags = try_unshare(is_root) if cfg["namespaces"] else 0
+    flags = try_unshare(is_root, zygote) if cfg["namespaces"] else 0
     if flags & CLONE_NEWUSER:
         layers.append("user_namespace")
     if flags & CLONE_NEWNET:
@@ -275,18 +292,18 @@ def isolate(cfg):
         st.pidns = True
         layers.append("pid_namespace")
     if flags & CLONE_NEWNS and remount_all_read_only():
-        if not mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-                     "size=%dm,mode=0711" % cfg["tmpfs_mb"]):
-            raise OSError("cannot mount a tmpfs on /tmp after making / read-only")
-        st.work_root = "/tmp"
         layers.append("mount_namespace")
+        if zygote and not mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                                "size=%dm,mode=0711" % cfg["tmpfs_mb"]):
+            raise OSError("cannot mount a tmpfs on /tmp after making / read-only")
+        st.work_root = "/tmp" if zygote else None
         if st.pidns:
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    else:
+    elif zygote:
         import tempfile
         st.work_root = tempfile.mkdtemp(prefix="populora-sandbox-")
         os.chmod(st.work_root, 0o711)
-    if not st.pidns:
+    if zygote and not st.pidns:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
         layers.append("subreaper")
     if is_root and cfg["uid"] is not None:
@@ -299,7 +316,7 @@ def isolate(cfg):
         st.landlock_fd, ll_layers = landlock_ruleset(
             read_dirs=prefixes + ["/usr/lib", "/usr/lib64", "/lib", "/lib64"],
             read_files=["/dev/urandom", "/dev/zero"],
-            rw_dirs=[st.work_root],
+            rw_dirs=[st.work_root] if zygote else [],
             rw_files=["/dev/null"])
     layers += ll_layers
     st.layers = layers
@@ -424,34 +441,49 @@ def scan(tree, checks):
             "cyclomatic": 1 + decisions}
 
 
-class ArgCapture:
-    """Turns an input string, written as the text between the parentheses of a
-    call, into fresh (args, kwargs) for every run: `"Hi"` is one argument,
-    `[1, 2], 3` two, `(1, 2)` one tuple."""
+def call_code(text):
+    """Compiles an input, written as the text between the parentheses of a
+    call, to code that returns fresh (args, kwargs) each time it is evaluated:
+    `"Hi"` is one argument, `[1, 2], 3` two, `(1, 2)` one tuple. An input that
+    is not all literals must pass the AST checks."""
+    try:
+        call = ast.parse("_(\n" + text + "\n)", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise Reject("bad_input", "input does not parse as arguments: %s" % describe(exc))
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_"):
+        raise Reject("bad_input", "input is not an argument list")
+    if not all_literals(call):
+        check_names(call)
+    try:
+        return compile(ast.Expression(call), "<input>", "eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise Reject("bad_input", "input does not compile: %s" % describe(exc))
 
-    def __init__(self, text):
-        try:
-            call = ast.parse("_(\n" + text + "\n)", mode="eval").body
-        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-            raise Reject("bad_input", "input does not parse as arguments: %s" % describe(exc))
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_"):
-            raise Reject("bad_input", "input is not an argument list")
-        self.call = call
-        self.code = None
-        try:
-            self.fresh()
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, AttributeError):
-            check_names(call)
-            self.code = compile(ast.Expression(call), "<input>", "eval")
 
-    def fresh(self):
-        if self.code is not None:
-            return eval(self.code, {"_": lambda *a, **k: (a, k)})
-        args = [ast.literal_eval(a) for a in self.call.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in self.call.keywords}
-        if any(k is None for k in kwargs):
-            raise ValueError("** in input")
-        return args, kwargs
+def all_literals(call):
+    try:
+        for arg in call.args:
+            ast.literal_eval(arg)
+        for keyword in call.keywords:
+            if keyword.arg is None:
+                return False  # **mapping
+            ast.literal_eval(keyword.value)
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, AttributeError):
+        return False
+    return True
+
+
+def collect_args(*args, **kwargs):
+    return args, kwargs
+
+
+def pack(code):
+    """Marshalled code as JSON-safe text (the checker compiles, a child runs)."""
+    return binascii.b2a_base64(marshal.dumps(code), newline=False).decode("ascii")
+
+
+def unpack(text):
+    return marshal.loads(binascii.a2b_base64(text))
 
 
 def run_calls(code, name, calls):
@@ -464,18 +496,18 @@ def run_calls(code, name, calls):
         raise Reject("invalid_program", "no function named %s" % name)
     namespace["f"] = fn
     outputs = []
-    for capture in calls:
+    for call in calls:
         try:
-            args, kwargs = capture.fresh()
-        except Reject:
-            raise
+            args, kwargs = eval(call, {"_": collect_args})
         except BaseException as exc:
             raise Reject("bad_input", "input failed to evaluate: %s" % describe(exc))
         outputs.append(repr(fn(*args, **kwargs))[:OUTPUT_CHARS])
     return outputs
 
 
-def job_program(job):
+def job_prepare(job):
+    """Checker: parse, check and compile a program and its inputs, without
+    running anything. The reply is what `job_run` needs."""
     try:
         tree = ast.parse(job["program"], mode="exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
@@ -486,18 +518,26 @@ def job_program(job):
         name = job.get("entry_point") or "f"
     features = scan(tree, job["checks"])
     code = compile(tree, "<program>", "exec")
-    calls = [ArgCapture(text) for text in job["inputs"]]
-    first = run_calls(code, name, calls)
+    calls = [call_code(text) for text in job["inputs"]]
+    return {"status": "ok", "function": name, "features": features,
+            "code": pack(code), "calls": [pack(call) for call in calls]}
+
+
+def job_run(job):
+    """Child: run prepared code on every input, `runs` times; two runs must
+    give the same reprs."""
+    code, calls = unpack(job["code"]), [unpack(call) for call in job["calls"]]
+    first = run_calls(code, job["function"], calls)
     if job["runs"] > 1:
         # Keep the first run's objects alive and shift the allocator so an
         # address-dependent repr cannot repeat by reusing freed memory.
         padding = [object() for _ in range(97)] + [[] for _ in range(31)]
-        second = run_calls(code, name, calls)
+        second = run_calls(code, job["function"], calls)
         del padding
         for i, (a, b) in enumerate(zip(first, second)):
             if a != b:
                 raise Reject("non_deterministic", "input %d: first run %s, second run %s" % (i, a[:120], b[:120]))
-    return {"status": "ok", "outputs": first, "function": name, "features": features}
+    return {"status": "ok", "outputs": first}
 
 
 def same_value(a, b):
@@ -534,9 +574,13 @@ def job_humaneval(job):
     return {"status": "ok"}
 
 
-JOBS = {"program": job_program, "compare": job_compare, "humaneval": job_humaneval}
+# The jobs each role serves (the config's "role").
+JOBS = {
+    "checker": {"prepare": job_prepare, "compare": job_compare},
+    "zygote": {"run": job_run, "humaneval": job_humaneval},
+}
 
-# Fixed, trusted jobs that the zygote runs on itself before it starts forking.
+# Fixed, trusted jobs that a server runs on itself before it starts serving.
 WARM_UP_PROGRAM = '''import math
 def f(s, k=2):
     counts = {}
@@ -546,28 +590,43 @@ def f(s, k=2):
     evens = [x * k for x in range(len(s)) if x % 2 == 0]
     return sorted(counts.items())[::k], words[::-1], evens, math.gcd(len(s), 12)
 '''
-WARM_UP_JOBS = (
-    {"kind": "program", "program": WARM_UP_PROGRAM, "inputs": ["'hello big world', 3"],
-     "checks": True, "runs": 2},
-    {"kind": "program", "program": WARM_UP_PROGRAM, "inputs": ["'abc'", "'x y', k=1"],
-     "checks": True, "runs": 1},
+WARM_UP_PREPARES = (
+    ({"kind": "prepare", "program": WARM_UP_PROGRAM, "inputs": ["'hello big world', 3"],
+      "checks": True}, 2),
+    ({"kind": "prepare", "program": WARM_UP_PROGRAM, "inputs": ["'abc'", "'x y', k=1"],
+      "checks": True}, 1),
+)
+WARM_UP_CHECKER_JOBS = tuple(job for job, _ in WARM_UP_PREPARES) + (
     {"kind": "compare", "pairs": [["[1, 2]", "[1,2]"], ["'a'", "'b'"]]},
-    {"kind": "humaneval", "program": WARM_UP_PROGRAM,
-     "test": "def check(candidate):\n    assert candidate('ab')[3] == 2\n", "entry_point": "f"},
 )
 # CPython 3.11 specialises a function's bytecode after 8 calls.
 WARM_UP_ROUNDS = 10
 
 
-def warm_up():
-    """Run every job kind on fixed inputs in the zygote itself. What a first
-    run does once — filling the type attribute caches, specialising the
-    bytecode of the checks and of `ast`, creating lazily built objects — is then
-    done in the shared heap instead of again in every child, where each write
-    to a shared page is a copy-on-write fault: the largest part of a job's cost."""
+def warm_up_zygote_jobs():
+    """The zygote's warm-up runs code the checker would have prepared."""
+    runs = []
+    for job, runs_each in WARM_UP_PREPARES:
+        prepared = job_prepare(job)
+        runs.append({"kind": "run", "code": prepared["code"], "calls": prepared["calls"],
+                     "function": prepared["function"], "runs": runs_each})
+    humaneval = {"kind": "humaneval", "program": WARM_UP_PROGRAM,
+                 "test": "def check(candidate):\n    assert candidate('ab')[3] == 2\n",
+                 "entry_point": "f"}
+    return runs + [humaneval]
+
+
+def warm_up(role):
+    """Run every job kind of `role` on fixed inputs in this process. What a
+    first run does once — filling the type attribute caches, specialising the
+    bytecode, creating lazily built objects — is then done before serving; in
+    the zygote it lands in the shared heap instead of again in every child,
+    where each write to a shared page is a copy-on-write fault: the largest
+    part of a job's cost."""
+    jobs = warm_up_zygote_jobs() if role == "zygote" else WARM_UP_CHECKER_JOBS
     for _ in range(WARM_UP_ROUNDS):
-        for job in WARM_UP_JOBS:
-            to_json(run_job(job))
+        for job in jobs:
+            to_json(run_job(job, JOBS[role]))
 
 
 # What fill_free_blocks allocated, alive as long as the zygote.
@@ -630,9 +689,9 @@ def free_small_blocks():
     return free
 
 
-def run_job(job):
+def run_job(job, jobs):
     try:
-        return JOBS[job["kind"]](job)
+        return jobs[job["kind"]](job)
     except Reject as rej:
         return {"status": rej.status, "reason": rej.reason}
     except MemoryError:
@@ -675,7 +734,7 @@ def child_main(st, job, limits, work, out_w, err_w, res_w):
         if libc.syscall(SYS_LANDLOCK_RESTRICT, ctypes.c_int(st.landlock_fd), ctypes.c_uint32(0)) != 0:
             os._exit(71)
         os.close(st.landlock_fd)
-    result = run_job(job)
+    result = run_job(job, JOBS["zygote"])
     if os.getpid() != child_pid:
         os._exit(0)  # a process the program forked: only the child itself reports
     try:
@@ -921,6 +980,55 @@ def settle(verdict, status, result, stderr):
     return {"status": "crashed", "reason": "exited with code %d without a result %s" % (code, tail)}
 
 
+# ---------------------------------------------------------------- checker --
+
+# A checker whose peak resident set passed this exits after its reply: a huge
+# program or answer may have left a large heap behind. The next request finds
+# it gone and gets a fresh one.
+CHECKER_RETIRE_KB = 128 << 10
+
+
+def confine_checker(st, limits):
+    """The checker reads hostile text, so it gets a child's confinement, except
+    the CPU limit (it serves many jobs; the Rust side enforces each job's wall
+    deadline) and with no processes at all (it never forks)."""
+    mem = limits["memory_mb"] << 20
+    for res, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, 0),
+                       (resource.RLIMIT_NOFILE, limits["open_files"]),
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, 0)):
+        resource.setrlimit(res, (value, value))
+    if st.uid is not None:
+        os.setgroups([])
+        os.setresgid(st.gid, st.gid, st.gid)
+        os.setresuid(st.uid, st.uid, st.uid)
+    if not st.nnp_inherited and not prctl(PR_SET_NO_NEW_PRIVS, 1):
+        raise OSError("cannot set no_new_privs")
+    if st.landlock_fd is not None:
+        if libc.syscall(SYS_LANDLOCK_RESTRICT, ctypes.c_int(st.landlock_fd), ctypes.c_uint32(0)) != 0:
+            raise OSError("cannot apply the Landlock ruleset")
+        os.close(st.landlock_fd)
+        st.landlock_fd = None
+
+
+def check(st, req):
+    """One checker job, or a list of them ("many"): one reply each."""
+    job = req["job"]
+    if job["kind"] == "many":
+        return {"status": "ok", "replies": [check_one(one) for one in job["jobs"]]}
+    return check_one(job)
+
+
+def check_one(job):
+    start = time.monotonic()
+    reply = run_job(job, JOBS["checker"])
+    reply["wall_ms"] = (time.monotonic() - start) * 1000.0
+    return reply
+
+
+def retiring():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > CHECKER_RETIRE_KB
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     # The protocol moves to private descriptors; 0 and 1 become /dev/null so no
@@ -932,28 +1040,36 @@ def main():
     os.close(devnull)
     os.set_inheritable(proto_in, False)
     os.set_inheritable(proto_out, False)
-    for name in PRELOAD:
-        __import__(name)
+    role = cfg["role"]
+    if role == "zygote":
+        for name in PRELOAD:
+            __import__(name)
     try:
         st = isolate(cfg)
+        if role == "checker":
+            confine_checker(st, cfg["limits"])
     except OSError as exc:
         write_msg(proto_out, {"fatal": describe(exc)})
         return
-    warm_up()
-    gc.collect()
-    fill_free_blocks()
-    gc.freeze()
+    warm_up(role)
+    if role == "zygote":
+        gc.collect()
+        fill_free_blocks()
+        gc.freeze()
+    serve = handle if role == "zygote" else check
     write_msg(proto_out, {"hello": True, "layers": st.layers})
     while True:
         req = read_msg(proto_in)
         if req is None:
             break
         try:
-            reply = handle(st, req)
+            reply = serve(st, req)
         except Exception as exc:
             reply = {"error": describe(exc)}
         write_msg(proto_out, reply)
-    if "mount_namespace" not in st.layers:
+        if role == "checker" and retiring():
+            break
+    if st.work_root is not None and "mount_namespace" not in st.layers:
         remove_tree(st.work_root)
 
 

@@ -1,4 +1,5 @@
-//! One warm Python zygote process and its length-prefixed JSON protocol.
+//! One warm Python server process (`server.py`) in one of its two roles, and
+//! its length-prefixed JSON protocol.
 
 use super::{Error, Features, Layer, Limits, SandboxConfig, Status};
 use serde::{Deserialize, Serialize};
@@ -7,31 +8,52 @@ use std::os::fd::AsRawFd;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The fork server's source, passed with `-c`.
-const ZYGOTE_PY: &str = include_str!("zygote.py");
-/// Time a zygote may take to import, isolate itself and say hello.
+/// The server's source, passed with `-c`.
+const SERVER_PY: &str = include_str!("server.py");
+/// Time a server may take to import, isolate itself and say hello.
 const STARTUP_MS: u64 = 20_000;
 /// Slack on top of a job's own timeout for forking, reaping and replying.
 const REPLY_SLACK_MS: u64 = 5_000;
-/// Largest reply we accept from a zygote.
+/// Largest reply we accept from a server.
 const MAX_REPLY_BYTES: usize = 8 << 20;
-/// How long a zygote may take to exit after its pipe closes before it is killed.
+/// How long a server may take to exit after its pipe closes before it is killed.
 const EXIT_GRACE_MS: u64 = 500;
 
-/// A job as the zygote understands it.
+/// What a server process does with the jobs it is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Role {
+    /// Parses, checks and compiles programs and compares answers, never
+    /// running anything; confined like a child and serving many jobs.
+    Checker,
+    /// A fork server: every job runs in a fresh child.
+    Zygote,
+}
+
+/// A job as a server understands it.
 #[derive(Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub(crate) enum Request<'a> {
-    /// Run a program's function on inputs; `checks` applies the AST filter,
-    /// `runs: 2` checks determinism.
-    Program {
+    /// Checker: parse a program and its inputs, apply the AST filter when
+    /// `checks`, compute the features, compile both.
+    Prepare {
         program: &'a str,
         inputs: Vec<&'a str>,
         checks: bool,
+    },
+    /// Checker: literal equality of (a, b) reprs.
+    Compare { pairs: Vec<[&'a str; 2]> },
+    /// Zygote: run prepared code on every prepared input in a child;
+    /// `runs: 2` checks determinism.
+    Run {
+        function: &'a str,
+        code: &'a str,
+        calls: &'a [String],
         runs: u32,
     },
-    /// Literal equality of (a, b) reprs, in a clean child.
-    Compare { pairs: Vec<[&'a str; 2]> },
+    /// Checker: several checker requests in one message; one reply each.
+    Many { jobs: Vec<&'a Request<'a>> },
+    /// Zygote: a HumanEval problem, in a child.
     Humaneval {
         program: &'a str,
         test: &'a str,
@@ -39,7 +61,7 @@ pub(crate) enum Request<'a> {
     },
 }
 
-/// What a zygote answers for one job.
+/// What a server answers for one job.
 #[derive(Debug, Deserialize)]
 pub(crate) struct Reply {
     pub status: Status,
@@ -51,8 +73,33 @@ pub(crate) struct Reply {
     pub equal: Vec<bool>,
     pub features: Option<Features>,
     pub function: Option<String>,
+    /// A prepared program: marshalled code (base64) and one call per input.
+    pub code: Option<String>,
+    #[serde(default)]
+    pub calls: Vec<String>,
+    /// The replies to a `Many`, in order.
+    #[serde(default)]
+    pub replies: Vec<Reply>,
     #[serde(default)]
     pub wall_ms: f64,
+}
+
+impl Reply {
+    /// A reply that only carries a verdict.
+    pub fn verdict(status: Status, reason: String) -> Reply {
+        Reply {
+            status,
+            reason,
+            outputs: Vec::new(),
+            equal: Vec::new(),
+            features: None,
+            function: None,
+            code: None,
+            calls: Vec::new(),
+            replies: Vec::new(),
+            wall_ms: 0.0,
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -62,7 +109,10 @@ struct Envelope<'a> {
 }
 
 #[derive(Serialize)]
-struct ZygoteConfig {
+struct ServerConfig<'a> {
+    role: Role,
+    /// The checker confines itself with these; the zygote gets them per job.
+    limits: &'a Limits,
     namespaces: bool,
     landlock: bool,
     uid: Option<u32>,
@@ -70,32 +120,34 @@ struct ZygoteConfig {
     tmpfs_mb: u64,
 }
 
-pub(crate) struct Zygote {
+pub(crate) struct Server {
     child: Child,
     stdin: Option<ChildStdin>,
     stdout: ChildStdout,
     pub layers: Vec<Layer>,
 }
 
-impl Zygote {
-    pub fn start(config: &SandboxConfig) -> Result<Zygote, Error> {
-        let zygote_config = ZygoteConfig {
+impl Server {
+    pub fn start(config: &SandboxConfig, role: Role) -> Result<Server, Error> {
+        let server_config = ServerConfig {
+            role,
+            limits: &config.limits,
             namespaces: config.namespaces,
             landlock: config.landlock,
             uid: Some(config.unprivileged_uid),
             gid: Some(config.unprivileged_gid),
             tmpfs_mb: config.tmpfs_mb,
         };
-        let config_json = serde_json::to_string(&zygote_config)
-            .map_err(|e| Error::Config(format!("cannot encode the zygote configuration: {e}")))?;
+        let config_json = serde_json::to_string(&server_config)
+            .map_err(|e| Error::Config(format!("cannot encode the server configuration: {e}")))?;
         // No -I: it would ignore PYTHONHASHSEED, and a fixed hash seed keeps set
         // order (and so outputs) independent of which worker ran a program. The
         // empty environment plus -S -s gives the same isolation. LD_BIND_NOW
-        // resolves every symbol of the interpreter once, in the zygote: lazily
+        // resolves every symbol of the interpreter once, in the server: lazily
         // bound, each child would redo it for the calls only children make
         // (setrlimit, setresuid, ...) and copy the pages it writes.
         let mut child = Command::new(&config.python)
-            .args(["-S", "-s", "-B", "-c", ZYGOTE_PY, &config_json])
+            .args(["-S", "-s", "-B", "-c", SERVER_PY, &config_json])
             .env_clear()
             .env("PYTHONHASHSEED", "0")
             .env("LD_BIND_NOW", "1")
@@ -108,15 +160,15 @@ impl Zygote {
                 source,
             })?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err(Error::Protocol("zygote pipes missing".into()));
+            return Err(Error::Protocol("server pipes missing".into()));
         };
-        let mut zygote = Zygote {
+        let mut server = Server {
             child,
             stdin: Some(stdin),
             stdout,
             layers: Vec::new(),
         };
-        let hello = zygote.receive(
+        let hello = server.receive(
             Instant::now() + Duration::from_millis(STARTUP_MS),
             STARTUP_MS,
         )?;
@@ -127,12 +179,12 @@ impl Zygote {
             .get("layers")
             .cloned()
             .ok_or_else(|| Error::Protocol(format!("hello without layers: {hello}")))?;
-        zygote.layers = serde_json::from_value(layers)
+        server.layers = serde_json::from_value(layers)
             .map_err(|e| Error::Protocol(format!("unknown layer in hello: {e}")))?;
-        Ok(zygote)
+        Ok(server)
     }
 
-    /// Run one job. An `Err` means the zygote itself failed and must be replaced.
+    /// Run one job. An `Err` means the server itself failed and must be replaced.
     pub fn call(&mut self, job: &Request, limits: &Limits) -> Result<Reply, Error> {
         let body = serde_json::to_vec(&Envelope { job, limits })
             .map_err(|e| Error::Protocol(format!("cannot encode a request: {e}")))?;
@@ -227,8 +279,8 @@ fn wait_readable(stdout: &ChildStdout, timeout: Duration) -> Result<bool, Error>
     }
 }
 
-impl Drop for Zygote {
-    /// Closing stdin lets the zygote exit cleanly (removing its work dir);
+impl Drop for Server {
+    /// Closing stdin lets the server exit cleanly (the zygote removes its work dir);
     /// SIGKILL after a grace period. Its pid-namespace init dies with it, which
     /// kills every process left in the namespace.
     fn drop(&mut self) {
