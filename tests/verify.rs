@@ -931,3 +931,34 @@ fn a_program_too_big_to_parse_retires_its_checker() {
     assert_eq!(after.len(), 1, "checkers: {after:?}");
     assert_ne!(before, after, "the checker was not replaced");
 }
+
+/// Each run gets new argument objects, tuples included (the compiler would
+/// share a constant tuple between runs), so an output that depends on an
+/// argument's address is caught by the determinism check.
+#[test]
+fn every_run_gets_new_argument_objects() {
+    let _guard = serial();
+    let pool = pool(1);
+    let program = "def f(t, *rest):\n    return id(t) % 100000";
+    for input in ["(1, 2)", "(1, 2), 3", "[1, 2]", "((1, 2), [3])"] {
+        let v = pool.validate_proposal(program, input).unwrap();
+        assert_eq!(v.status, Status::NonDeterministic, "{input}: {v:?}");
+    }
+}
+
+/// Compiling can fold a short expression into a large constant; a program
+/// whose compiled code is too large is invalid, not a sandbox failure.
+#[test]
+fn a_program_that_compiles_too_large_is_invalid() {
+    let _guard = serial();
+    let pool = pool(1);
+    let constants: Vec<String> = (0..300).map(|i| format!("'{i:05}' * 800")).collect();
+    let program = format!("def f(a):\n    return [{}]", constants.join(", "));
+    let v = pool.validate_proposal(&program, "1").unwrap();
+    assert_eq!(v.status, Status::InvalidProgram, "{v:?}");
+    assert!(v.reason.contains("compiled program"), "{v:?}");
+    let ok = pool
+        .validate_proposal("def f(a):\n    return a", "1")
+        .unwrap();
+    assert_eq!(ok.output.as_deref(), Some("1"));
+}

@@ -10,15 +10,24 @@
 //!   started is killed.
 //! - A *checker* does everything that does not run a program: it parses a
 //!   program and its inputs with `ast`, applies the checks, computes the
-//!   features and compiles both, and it compares answers. It drops to the same
-//!   uid, rlimits and Landlock rules as a child and serves many jobs, so this
-//!   work runs warm instead of in a freshly forked child, where copy-on-write
-//!   faults made it ~5x dearer. It never executes what it is given, and a
-//!   checker that is slow or dies on an input gives that job a verdict
-//!   (`Timeout`, `Crashed`) and is replaced.
+//!   features and compiles both, and it compares answers. It never executes
+//!   what it is given. It drops to the children's uid and Landlock rules, with
+//!   their address-space limit, no processes, no file writes and no CPU-time
+//!   limit (it serves many jobs: each message has a wall-clock deadline
+//!   instead). Serving many jobs, this work runs warm instead of in a freshly
+//!   forked child, where copy-on-write faults made it ~5x dearer. A checker
+//!   that does not answer in time or dies, twice, gives that job a verdict
+//!   (`Timeout`, `Crashed`); a failed checker is replaced.
+//!
+//!   The trade-off: a checker reads hostile text for many jobs. A memory-safety
+//!   bug in CPython's parser or compiler, reached by crafted text, would let
+//!   that text tamper with later jobs' checks and comparisons in the same
+//!   checker (not escape it: it is confined like a child). Before, each job's
+//!   text was parsed in a process of its own.
 //!
 //! Layers that the kernel or our privileges refuse are skipped;
-//! [`VerifierPool::layers`] says which are active.
+//! [`VerifierPool::layers`] says which are active for programs,
+//! [`VerifierPool::checker_layers`] for checkers.
 //!
 //! The AST checks (one function, no banned imports or names) are a filter for
 //! honest mistakes, not the boundary: the OS layers are.
@@ -157,10 +166,12 @@ impl Judgement {
     }
 }
 
-/// Limits applied to every child (and to what we send it).
+/// Limits applied to every child (and to what we send it). A checker takes
+/// `memory_mb` and `open_files` too.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Limits {
-    /// Wall-clock limit per job; CPU seconds are limited to this, rounded up. Default 2000.
+    /// Wall-clock limit per job; CPU seconds are limited to this, rounded up. A
+    /// checker must answer a message within this plus 5 s. Default 2000.
     pub timeout_ms: u64,
     /// Address space (RLIMIT_AS). Default 512.
     pub memory_mb: u64,
@@ -168,7 +179,8 @@ pub struct Limits {
     pub file_bytes: u64,
     /// RLIMIT_NOFILE. Default 64.
     pub open_files: u64,
-    /// RLIMIT_NPROC (counted per uid, so across concurrent children). Default 32.
+    /// RLIMIT_NPROC (counted per uid, so across concurrent children and the
+    /// checkers, which run as the same uid). Default 32.
     pub processes: u64,
     /// Cap on each of stdout and stderr; more is status `OutputLimit`. Default 64 KiB.
     pub output_bytes: u64,

@@ -1,10 +1,12 @@
 //! `VerifierPool`: checkers and zygotes behind a synchronous API. Jobs are
-//! independent, so results never depend on which server ran them or when.
+//! independent, so a result does not depend on which server ran it or when
+//! (one exception: see `CHECKER_RETIRE_KB` in `server.py`).
 
 use super::server::{Reply, Request, Role, Server};
 use super::{Error, Judgement, Layer, Limits, SandboxConfig, Status, Validation};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
 
 /// One stage's reply for one job of a batch; `None` where the stage had
 /// nothing to do for it.
@@ -254,7 +256,9 @@ impl VerifierPool {
         let many = Request::Many {
             jobs: chunk.iter().map(|(_, request)| *request).collect(),
         };
-        match self.call(Role::Checker, &many) {
+        // Whatever went wrong with the message as a whole, the requests one by
+        // one find out which of them it was (each with its own retry).
+        match self.call_once(Role::Checker, &many) {
             Ok(reply) if reply.status == Status::Ok && reply.replies.len() == chunk.len() => {
                 reply.replies.into_iter().map(Ok).collect()
             }
@@ -323,44 +327,39 @@ impl VerifierPool {
         }
     }
 
-    /// Run a request on a free server of `role`. A server that fails is
-    /// replaced and the request retried once on the fresh one, except a
-    /// checker that did not answer in time: the input itself was too slow to
-    /// parse, so that is the job's verdict. So is a checker dying twice on
-    /// the same input.
+    /// Run a request on a free server of `role`; when the server fails, once
+    /// more on another. A checker failing twice gives the job a verdict: its
+    /// input was too slow to parse (`Timeout`) or killed the checker (`Crashed`).
     fn call(&self, role: Role, request: &Request) -> Result<Reply, Error> {
-        let servers = self.servers(role);
-        let mut server = servers.checkout(&self.config)?;
-        let mut result = server.call(request, self.limits());
-        let too_slow = matches!(result, Err(Error::Unresponsive(_))) && role == Role::Checker;
-        if result.is_err() && !too_slow {
-            drop(server);
-            server = match servers.restart(&self.config) {
-                Ok(fresh) => fresh,
-                Err(e) => {
-                    servers.checkin(None);
-                    return Err(e);
-                }
-            };
-            result = server.call(request, self.limits());
-        }
-        if result.is_ok() {
-            servers.checkin(Some(server));
-        } else {
-            drop(server);
-            servers.checkin(None);
-        }
+        let started = Instant::now();
+        let result = self
+            .call_once(role, request)
+            .or_else(|_| self.call_once(role, request));
+        let wall_ms = started.elapsed().as_secs_f64() * 1e3;
         match (role, result) {
             (Role::Checker, Err(Error::Unresponsive(ms))) => Ok(Reply::verdict(
                 Status::Timeout,
-                format!("the checks took longer than {ms} ms"),
+                format!("the checker did not answer within {ms} ms, twice"),
+                wall_ms,
             )),
             (Role::Checker, Err(Error::Exited(how))) => Ok(Reply::verdict(
                 Status::Crashed,
-                format!("the checker died on this input twice ({how})"),
+                format!("the checker died on this input, twice (last: {how})"),
+                wall_ms,
             )),
             (_, result) => result,
         }
+    }
+
+    /// Run a request on a free server of `role`, once. A server that fails, or
+    /// says it is retiring, is dropped; its slot gets a fresh one on next use.
+    fn call_once(&self, role: Role, request: &Request) -> Result<Reply, Error> {
+        let servers = self.servers(role);
+        let mut server = servers.checkout(&self.config)?;
+        let result = server.call(request, self.limits());
+        let keep = matches!(&result, Ok(reply) if !reply.retiring);
+        servers.checkin(keep.then_some(server));
+        result
     }
 }
 
@@ -485,11 +484,7 @@ fn failed_validation(status: Status, reason: String, wall_ms: f64) -> Validation
 /// Stage 1: what a checker does for `job`.
 fn first_check(job: &Job) -> Option<Request<'_>> {
     fn prepare<'a>(program: &'a str, inputs: Vec<&'a str>) -> Option<Request<'a>> {
-        Some(Request::Prepare {
-            program,
-            inputs,
-            checks: true,
-        })
+        Some(Request::Prepare { program, inputs })
     }
     match job {
         Job::Proposal { program, input } => prepare(program, vec![input.as_str()]),

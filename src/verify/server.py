@@ -158,8 +158,8 @@ def try_unshare(is_root, pid_namespace):
     """Enter the strongest set of namespaces this process may create. The
     checker never forks, so it needs no pid namespace of its own."""
     user = 0 if is_root else CLONE_NEWUSER
-    pid = CLONE_NEWPID if pid_namespace else 0
-    for flags in (CLONE_NEWNS | CLONE_NEWNET | pid, CLONE_NEWNS | CLONE_NEWNET, CLONE_NEWNET):
+    strongest_first = (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID, CLONE_NEWNS | CLONE_NEWNET, CLONE_NEWNET)
+    for flags in strongest_first[0 if pid_namespace else 1:]:
         if libc.unshare(flags | user) == 0:
             if user and not map_own_ids():
                 return 0
@@ -338,7 +338,7 @@ def inherit_child_settings(st):
     os.umask(0o077)
 
 
-# ---------------------------------------------------------------- the child --
+# --------------------------------------------------------------------- jobs --
 
 class Reject(Exception):
     def __init__(self, status, reason):
@@ -407,11 +407,11 @@ DECISION_TYPES = frozenset((ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHan
                             ast.Assert, ast.match_case, ast.comprehension, ast.BoolOp))
 
 
-def scan(tree, checks):
-    """One breadth-first pass over the tree: check_node on every node when
-    `checks` (in ast.walk's order, so the first problem reported is the same),
-    and the complexity features for the dynamics plots. One pass instead of
-    ast.walk plus a second walk: this is a large share of a child's own work."""
+def scan(tree):
+    """One breadth-first pass over the tree: check_node on every node (in
+    ast.walk's order, so the first problem reported is the same), and the
+    complexity features for the dynamics plots. One pass instead of ast.walk
+    plus a second walk: this is a large share of a checker's work."""
     count, depth, kinds, decisions = 0, 0, set(), 0
     level = [tree]
     while level:
@@ -421,7 +421,7 @@ def scan(tree, checks):
         for node in level:
             cls = type(node)
             kinds.add(cls)
-            if checks and cls in CHECKED_TYPES:
+            if cls in CHECKED_TYPES:
                 check_node(node)
             if cls in DECISION_TYPES:
                 if cls is ast.comprehension:
@@ -441,49 +441,65 @@ def scan(tree, checks):
             "cyclomatic": 1 + decisions}
 
 
-def call_code(text):
-    """Compiles an input, written as the text between the parentheses of a
-    call, to code that returns fresh (args, kwargs) each time it is evaluated:
-    `"Hi"` is one argument, `[1, 2], 3` two, `(1, 2)` one tuple. An input that
-    is not all literals must pass the AST checks."""
+def prepare_call(text):
+    """An input, written as the text between the parentheses of a call (`"Hi"`
+    is one argument, `[1, 2], 3` two, `(1, 2)` one tuple), as packed text that
+    `load_call` turns into fresh (args, kwargs) for every run. Literals travel
+    as marshalled values ("v"); anything else must pass the AST checks and
+    travels as marshalled code ("c"). Not code for literals too: the compiler
+    folds constant tuples into one shared object, and a tuple argument must be
+    a new object in each run, as its id() could otherwise pass the
+    determinism check."""
     try:
         call = ast.parse("_(\n" + text + "\n)", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise Reject("bad_input", "input does not parse as arguments: %s" % describe(exc))
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_"):
         raise Reject("bad_input", "input is not an argument list")
-    if not all_literals(call):
+    values = literal_arguments(call)
+    if values is not None:
+        try:
+            return "v" + to_base64(marshal.dumps(values))
+        except ValueError:
+            pass  # nested too deeply for marshal: evaluate it as code instead
+    else:
         check_names(call)
     try:
-        return compile(ast.Expression(call), "<input>", "eval")
+        code = compile(ast.Expression(call), "<input>", "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise Reject("bad_input", "input does not compile: %s" % describe(exc))
+    return "c" + to_base64(marshal.dumps(code))
 
 
-def all_literals(call):
+def literal_arguments(call):
+    """(args, kwargs) when every argument is a literal, else None."""
     try:
-        for arg in call.args:
-            ast.literal_eval(arg)
+        args = tuple(ast.literal_eval(arg) for arg in call.args)
+        kwargs = {}
         for keyword in call.keywords:
             if keyword.arg is None:
-                return False  # **mapping
-            ast.literal_eval(keyword.value)
+                return None  # **mapping
+            kwargs[keyword.arg] = ast.literal_eval(keyword.value)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError, AttributeError):
-        return False
-    return True
+        return None
+    return args, kwargs
 
 
 def collect_args(*args, **kwargs):
     return args, kwargs
 
 
-def pack(code):
-    """Marshalled code as JSON-safe text (the checker compiles, a child runs)."""
-    return binascii.b2a_base64(marshal.dumps(code), newline=False).decode("ascii")
+def load_call(text):
+    """The child's side of `prepare_call`: a function giving fresh (args, kwargs)."""
+    data = binascii.a2b_base64(text[1:])
+    if text[:1] == "v":
+        return lambda: marshal.loads(data)
+    code = marshal.loads(data)
+    return lambda: eval(code, {"_": collect_args})
 
 
-def unpack(text):
-    return marshal.loads(binascii.a2b_base64(text))
+def to_base64(data):
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
 
 
 def run_calls(code, name, calls):
@@ -496,13 +512,19 @@ def run_calls(code, name, calls):
         raise Reject("invalid_program", "no function named %s" % name)
     namespace["f"] = fn
     outputs = []
-    for call in calls:
+    for fresh in calls:
         try:
-            args, kwargs = eval(call, {"_": collect_args})
+            args, kwargs = fresh()
         except BaseException as exc:
             raise Reject("bad_input", "input failed to evaluate: %s" % describe(exc))
         outputs.append(repr(fn(*args, **kwargs))[:OUTPUT_CHARS])
     return outputs
+
+
+# Packed code and inputs of one prepared program, at most: 32 of them fit one
+# checker reply (the Rust side's MAX_REPLY_BYTES), and compiling can fold a
+# short expression such as "a" * 4096 into a large constant.
+PREPARED_CHARS = 1 << 20
 
 
 def job_prepare(job):
@@ -512,21 +534,22 @@ def job_prepare(job):
         tree = ast.parse(job["program"], mode="exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise Reject("syntax_error", describe(exc))
-    if job["checks"]:
-        name = check_top_level(tree)
-    else:
-        name = job.get("entry_point") or "f"
-    features = scan(tree, job["checks"])
-    code = compile(tree, "<program>", "exec")
-    calls = [call_code(text) for text in job["inputs"]]
-    return {"status": "ok", "function": name, "features": features,
-            "code": pack(code), "calls": [pack(call) for call in calls]}
+    name = check_top_level(tree)
+    features = scan(tree)
+    code = to_base64(marshal.dumps(compile(tree, "<program>", "exec")))
+    calls = [prepare_call(text) for text in job["inputs"]]
+    size = len(code) + sum(len(call) for call in calls)
+    if size > PREPARED_CHARS:
+        raise Reject("invalid_program", "compiled program and inputs take %d bytes, limit %d"
+                     % (size, PREPARED_CHARS))
+    return {"status": "ok", "function": name, "features": features, "code": code, "calls": calls}
 
 
 def job_run(job):
     """Child: run prepared code on every input, `runs` times; two runs must
     give the same reprs."""
-    code, calls = unpack(job["code"]), [unpack(call) for call in job["calls"]]
+    code = marshal.loads(binascii.a2b_base64(job["code"]))
+    calls = [load_call(call) for call in job["calls"]]
     first = run_calls(code, job["function"], calls)
     if job["runs"] > 1:
         # Keep the first run's objects alive and shift the allocator so an
@@ -591,10 +614,8 @@ def f(s, k=2):
     return sorted(counts.items())[::k], words[::-1], evens, math.gcd(len(s), 12)
 '''
 WARM_UP_PREPARES = (
-    ({"kind": "prepare", "program": WARM_UP_PROGRAM, "inputs": ["'hello big world', 3"],
-      "checks": True}, 2),
-    ({"kind": "prepare", "program": WARM_UP_PROGRAM, "inputs": ["'abc'", "'x y', k=1"],
-      "checks": True}, 1),
+    ({"kind": "prepare", "program": WARM_UP_PROGRAM, "inputs": ["'hello big world', 3"]}, 2),
+    ({"kind": "prepare", "program": WARM_UP_PROGRAM, "inputs": ["'abc'", "'x y', k=1", "'ab' * 2"]}, 1),
 )
 WARM_UP_CHECKER_JOBS = tuple(job for job, _ in WARM_UP_PREPARES) + (
     {"kind": "compare", "pairs": [["[1, 2]", "[1,2]"], ["'a'", "'b'"]]},
@@ -982,9 +1003,12 @@ def settle(verdict, status, result, stderr):
 
 # ---------------------------------------------------------------- checker --
 
-# A checker whose peak resident set passed this exits after its reply: a huge
-# program or answer may have left a large heap behind. The next request finds
-# it gone and gets a fresh one.
+# A checker whose peak resident set passed this exits after its reply (which
+# says so): a huge program or answer may have left a large heap behind. Until
+# then that heap counts against the checker's address-space limit, so whether
+# parsing a program needing nearly `memory_mb` fails with MemoryError can
+# depend on what the same checker parsed before. With the default 64 KiB
+# program limit no parse comes near.
 CHECKER_RETIRE_KB = 128 << 10
 
 
@@ -1025,8 +1049,33 @@ def check_one(job):
     return reply
 
 
-def retiring():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > CHECKER_RETIRE_KB
+def quiet_checker(proto_in, proto_out):
+    """Nothing but the protocol pipes stays open, and stderr goes nowhere: a
+    program's compile-time warnings must not reach the trainer's terminal or
+    fill a pipe nobody reads. Returns a descriptor of /proc/self/status for
+    `retiring`, opened while Landlock still allows it (None without /proc)."""
+    import warnings
+    warnings.simplefilter("ignore")
+    devnull = os.open("/dev/null", os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    close_all_except({0, 1, 2, proto_in, proto_out})
+    try:
+        return os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def retiring(status_fd):
+    """Whether this checker's own peak resident set (VmHWM; unlike
+    getrusage's ru_maxrss, it does not start from the peak of the process
+    that spawned us) passed CHECKER_RETIRE_KB."""
+    if status_fd is None:
+        return False
+    for line in os.pread(status_fd, 8192, 0).splitlines():
+        if line.startswith(b"VmHWM:"):
+            return int(line.split()[1]) > CHECKER_RETIRE_KB
+    return False
 
 
 def main():
@@ -1044,6 +1093,8 @@ def main():
     if role == "zygote":
         for name in PRELOAD:
             __import__(name)
+    else:
+        status_fd = quiet_checker(proto_in, proto_out)
     try:
         st = isolate(cfg)
         if role == "checker":
@@ -1066,8 +1117,11 @@ def main():
             reply = serve(st, req)
         except Exception as exc:
             reply = {"error": describe(exc)}
+        retire = role == "checker" and retiring(status_fd)
+        if retire:
+            reply["retiring"] = True
         write_msg(proto_out, reply)
-        if role == "checker" and retiring():
+        if retire:
             break
     if st.work_root is not None and "mount_namespace" not in st.layers:
         remove_tree(st.work_root)

@@ -14,8 +14,9 @@ const SERVER_PY: &str = include_str!("server.py");
 const STARTUP_MS: u64 = 20_000;
 /// Slack on top of a job's own timeout for forking, reaping and replying.
 const REPLY_SLACK_MS: u64 = 5_000;
-/// Largest reply we accept from a server.
-const MAX_REPLY_BYTES: usize = 8 << 20;
+/// Largest reply we accept from a server: a checker's reply to a `Many` of 32
+/// prepared programs of up to 1 MiB each (`PREPARED_CHARS` in server.py).
+const MAX_REPLY_BYTES: usize = 40 << 20;
 /// How long a server may take to exit after its pipe closes before it is killed.
 const EXIT_GRACE_MS: u64 = 500;
 
@@ -34,12 +35,11 @@ pub(crate) enum Role {
 #[derive(Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub(crate) enum Request<'a> {
-    /// Checker: parse a program and its inputs, apply the AST filter when
-    /// `checks`, compute the features, compile both.
+    /// Checker: parse a program and its inputs, apply the AST filter,
+    /// compute the features, compile both.
     Prepare {
         program: &'a str,
         inputs: Vec<&'a str>,
-        checks: bool,
     },
     /// Checker: literal equality of (a, b) reprs.
     Compare { pairs: Vec<[&'a str; 2]> },
@@ -80,13 +80,16 @@ pub(crate) struct Reply {
     /// The replies to a `Many`, in order.
     #[serde(default)]
     pub replies: Vec<Reply>,
+    /// A checker's last reply: it exits after sending it.
+    #[serde(default)]
+    pub retiring: bool,
     #[serde(default)]
     pub wall_ms: f64,
 }
 
 impl Reply {
     /// A reply that only carries a verdict.
-    pub fn verdict(status: Status, reason: String) -> Reply {
+    pub fn verdict(status: Status, reason: String, wall_ms: f64) -> Reply {
         Reply {
             status,
             reason,
@@ -97,7 +100,8 @@ impl Reply {
             code: None,
             calls: Vec::new(),
             replies: Vec::new(),
-            wall_ms: 0.0,
+            retiring: false,
+            wall_ms,
         }
     }
 }

@@ -6,7 +6,7 @@
 //! | [`coordinator`] | the step loop and its barriers, matching, ratings, buffers, journal, checkpoints, live commands, supervision of members |
 //! | [`member`] | one adapter, its optimizer state and stream; builds its prompts, applies its own updates |
 //! | [`broker`] | the base model: batches every member's compute of a phase into one pass, on a blocking thread |
-//! | [`verifier`] | the sandbox pool (zygote workers; a dead worker is replaced and its job retried once) |
+//! | [`verifier`] | the sandbox pool (checker and zygote processes; a dead one is replaced and its job retried once) |
 //! | [`evolution`] | fitness ranking, culls, offspring by crossover + mutation |
 //!
 //! Plain modules: [`rundir`] (files of a run), [`journal`] (the event log),

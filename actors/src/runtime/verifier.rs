@@ -1,5 +1,5 @@
-//! The `Verifier` actor: owns the sandbox pool (one warm zygote per worker;
-//! the pool replaces a dead worker and retries its job once) and judges a
+//! The `Verifier` actor: owns the sandbox pool (a warm checker and zygote per
+//! worker; the pool replaces a dead one and retries its job once) and judges a
 //! phase's proposals or answers as one batch on a blocking thread.
 
 use std::sync::Arc;
