@@ -889,8 +889,10 @@ fn killed_checkers_are_replaced() {
         unsafe { libc::kill(*pid, libc::SIGKILL) };
     }
     assert_eq!(statuses(&pool, &jobs), expected);
+    // A killed checker that no job happened to draw may still wait in its
+    // slot (a zombie, not listed); any checker alive now is a fresh one.
     let fresh = checker_pids();
-    assert_eq!(fresh.len(), 2, "checkers: {fresh:?}");
+    assert!(!fresh.is_empty(), "no fresh checker");
     assert!(
         fresh.iter().all(|pid| !killed.contains(pid)),
         "{killed:?} → {fresh:?}"
@@ -906,7 +908,9 @@ fn a_program_too_big_to_parse_retires_its_checker() {
     let pool = VerifierPool::new(SandboxConfig {
         workers: 1,
         limits: Limits {
-            timeout_ms: TEST_TIMEOUT_MS,
+            // The checker's deadline for the whole message; the parse takes ~1 s.
+            timeout_ms: 10_000,
+            memory_mb: 256,
             program_bytes: 16 << 20,
             ..Limits::default()
         },
@@ -914,7 +918,7 @@ fn a_program_too_big_to_parse_retires_its_checker() {
     })
     .expect("start the sandbox pool");
     let before = checker_pids();
-    let huge = format!("def f(a):\n    return [{}]", "1,".repeat(3_000_000));
+    let huge = format!("def f(a):\n    return [{}]", "1,".repeat(1_500_000));
     let mut jobs = checked_jobs();
     let expected: Vec<Status> = jobs.iter().map(|(_, status)| *status).collect();
     jobs.insert(2, (proposal(&huge, "1"), Status::SyntaxError));
@@ -952,7 +956,7 @@ fn every_run_gets_new_argument_objects() {
 fn a_program_that_compiles_too_large_is_invalid() {
     let _guard = serial();
     let pool = pool(1);
-    let constants: Vec<String> = (0..300).map(|i| format!("'{i:05}' * 800")).collect();
+    let constants: Vec<String> = (0..1000).map(|i| format!("'{i:05}' * 800")).collect();
     let program = format!("def f(a):\n    return [{}]", constants.join(", "));
     let v = pool.validate_proposal(&program, "1").unwrap();
     assert_eq!(v.status, Status::InvalidProgram, "{v:?}");
@@ -961,4 +965,40 @@ fn a_program_that_compiles_too_large_is_invalid() {
         .validate_proposal("def f(a):\n    return a", "1")
         .unwrap();
     assert_eq!(ok.output.as_deref(), Some("1"));
+}
+
+/// Sets keep the iteration order (and so the repr) that running the text in
+/// Python gives, in programs and in inputs: marshal, which carries compiled
+/// code to the child, writes set elements sorted.
+#[test]
+fn sets_keep_the_order_python_gives() {
+    let _guard = serial();
+    let pool = pool(1);
+    let cases = [
+        ("def f(a):\n    return list({15, 7, 23})", "0"),
+        ("def f(a):\n    return [x for x in {15, 7, 23, 31}]", "0"),
+        ("def f(s):\n    return s", "{15, 7}"),
+        ("def f(s):\n    return list(s)", "{15, 7, 23}"),
+        (
+            "def f(s, d):\n    return list(s), d",
+            "frozenset({15, 7}), {'k': {23, 15}}",
+        ),
+    ];
+    for (program, input) in cases {
+        let direct = std::process::Command::new(&pool.config().python)
+            .args([
+                "-c",
+                &format!("{program}\nprint(repr(f({input}))[:400], end='')"),
+            ])
+            .output()
+            .expect("run python3");
+        let expected = String::from_utf8(direct.stdout).unwrap();
+        let v = pool.validate_proposal(program, input).unwrap();
+        assert_eq!(v.status, Status::Ok, "{program} / {input}: {v:?}");
+        assert_eq!(
+            v.output.as_deref(),
+            Some(expected.as_str()),
+            "{program} / {input}"
+        );
+    }
 }

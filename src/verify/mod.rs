@@ -52,21 +52,25 @@ pub enum Status {
     Ok,
     SyntaxError,
     /// Not exactly one top-level function, a top-level statement with effects,
-    /// async code, or a program/answer over the size limit.
+    /// async code, a program/answer over the size limit, or compiled code and
+    /// inputs over 4 MiB (compiling can fold `"a" * 4096` into a large constant).
     InvalidProgram,
     UsesInput,
     BannedImport,
     BannedName,
-    /// The input does not parse (or evaluate) as an argument list.
+    /// The input does not parse, compile or evaluate as an argument list.
     BadInput,
     RuntimeError,
+    /// Past the wall-clock or CPU limit; or the checker did not answer in time
+    /// on this job's program or answer, twice.
     Timeout,
     MemoryLimit,
     OutputLimit,
     NonDeterministic,
     /// Ran fine but the answer is wrong (or a HumanEval assertion failed).
     Mismatch,
-    /// Killed by a signal or exited without reporting.
+    /// Killed by a signal or exited without reporting; or the checker died on
+    /// this job's program or answer, twice.
     Crashed,
 }
 

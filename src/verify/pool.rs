@@ -256,15 +256,19 @@ impl VerifierPool {
         let many = Request::Many {
             jobs: chunk.iter().map(|(_, request)| *request).collect(),
         };
-        // Whatever went wrong with the message as a whole, the requests one by
-        // one find out which of them it was (each with its own retry).
+        // When the message fails as a whole, the requests one by one find out
+        // which of them it was: one try each, as the message was their first.
         match self.call_once(Role::Checker, &many) {
-            Ok(reply) if reply.status == Status::Ok && reply.replies.len() == chunk.len() => {
+            Ok(Ok(reply)) if reply.status == Status::Ok && reply.replies.len() == chunk.len() => {
                 reply.replies.into_iter().map(Ok).collect()
+            }
+            Err(start) => {
+                let why = format!("no checker could be started ({start})");
+                chunk.iter().map(|_| Err(Error::Job(why.clone()))).collect()
             }
             _ => chunk
                 .iter()
-                .map(|(_, request)| self.call(Role::Checker, request))
+                .map(|(_, request)| self.call_with(Role::Checker, request, 1))
                 .collect(),
         }
     }
@@ -328,38 +332,52 @@ impl VerifierPool {
     }
 
     /// Run a request on a free server of `role`; when the server fails, once
-    /// more on another. A checker failing twice gives the job a verdict: its
-    /// input was too slow to parse (`Timeout`) or killed the checker (`Crashed`).
+    /// more on another. See `call_with`.
     fn call(&self, role: Role, request: &Request) -> Result<Reply, Error> {
+        self.call_with(role, request, 2)
+    }
+
+    /// Run a request on free servers of `role`, up to `tries` times while the
+    /// server fails. When a checker still fails, that is the job's verdict: its
+    /// input was too slow to parse (`Timeout`) or killed the checker
+    /// (`Crashed`). A server that cannot be started is an `Err`.
+    fn call_with(&self, role: Role, request: &Request, tries: usize) -> Result<Reply, Error> {
         let started = Instant::now();
-        let result = self
-            .call_once(role, request)
-            .or_else(|_| self.call_once(role, request));
+        let mut result = self.call_once(role, request)?;
+        for _ in 1..tries {
+            if result.is_ok() {
+                break;
+            }
+            result = self.call_once(role, request)?;
+        }
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+        let times = if tries > 1 { ", every try" } else { "" };
         match (role, result) {
             (Role::Checker, Err(Error::Unresponsive(ms))) => Ok(Reply::verdict(
                 Status::Timeout,
-                format!("the checker did not answer within {ms} ms, twice"),
+                format!("the checker did not answer within {ms} ms{times}"),
                 wall_ms,
             )),
             (Role::Checker, Err(Error::Exited(how))) => Ok(Reply::verdict(
                 Status::Crashed,
-                format!("the checker died on this input, twice (last: {how})"),
+                format!("the checker died on this input{times} ({how})"),
                 wall_ms,
             )),
             (_, result) => result,
         }
     }
 
-    /// Run a request on a free server of `role`, once. A server that fails, or
-    /// says it is retiring, is dropped; its slot gets a fresh one on next use.
-    fn call_once(&self, role: Role, request: &Request) -> Result<Reply, Error> {
+    /// Run a request on a free server of `role`, once. The outer error: no
+    /// server could be started; the inner result: the server's answer. A
+    /// server that fails, or says it is retiring, is dropped; its slot gets a
+    /// fresh one on next use.
+    fn call_once(&self, role: Role, request: &Request) -> Result<Result<Reply, Error>, Error> {
         let servers = self.servers(role);
         let mut server = servers.checkout(&self.config)?;
         let result = server.call(request, self.limits());
         let keep = matches!(&result, Ok(reply) if !reply.retiring);
         servers.checkin(keep.then_some(server));
-        result
+        Ok(result)
     }
 }
 

@@ -444,12 +444,16 @@ def scan(tree):
 def prepare_call(text):
     """An input, written as the text between the parentheses of a call (`"Hi"`
     is one argument, `[1, 2], 3` two, `(1, 2)` one tuple), as packed text that
-    `load_call` turns into fresh (args, kwargs) for every run. Literals travel
-    as marshalled values ("v"); anything else must pass the AST checks and
-    travels as marshalled code ("c"). Not code for literals too: the compiler
-    folds constant tuples into one shared object, and a tuple argument must be
-    a new object in each run, as its id() could otherwise pass the
-    determinism check."""
+    `load_call` turns into fresh (args, kwargs) for every run:
+    - "v" + marshalled values, when all are literals. Not code: the compiler
+      folds constant tuples into one object shared by both runs, and a tuple
+      argument must be new in each, or its id() could pass the determinism check;
+    - "c" + marshalled code, for anything else, which must pass the AST checks;
+    - "s" + the text itself, compiled again by the child, when a set is
+      involved: marshal writes set elements sorted, which can change a set's
+      iteration order (and repr) from the one Python gives when it evaluates
+      the text. (Constant tuples in such an input are then shared by both
+      runs.)"""
     try:
         call = ast.parse("_(\n" + text + "\n)", mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
@@ -457,17 +461,16 @@ def prepare_call(text):
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "_"):
         raise Reject("bad_input", "input is not an argument list")
     values = literal_arguments(call)
-    if values is not None:
-        try:
-            return "v" + to_base64(marshal.dumps(values))
-        except ValueError:
-            pass  # nested too deeply for marshal: evaluate it as code instead
-    else:
+    if values is None:
         check_names(call)
     try:
         code = compile(ast.Expression(call), "<input>", "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise Reject("bad_input", "input does not compile: %s" % describe(exc))
+    if has_set_constant(code) or (values is not None and has_set(values)):
+        return "s" + text
+    if values is not None:
+        return "v" + to_base64(marshal.dumps(values))
     return "c" + to_base64(marshal.dumps(code))
 
 
@@ -485,17 +488,46 @@ def literal_arguments(call):
     return args, kwargs
 
 
+def has_set(value):
+    """Whether a literal value holds a set anywhere."""
+    if isinstance(value, (set, frozenset)):
+        return True
+    if isinstance(value, dict):
+        return any(has_set(k) or has_set(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(has_set(item) for item in value)
+    return False
+
+
+def has_set_constant(code):
+    """Whether compiled code holds a frozenset constant (a set display of
+    constants, `for x in {...}`), in nested code objects too."""
+    return any(isinstance(c, frozenset) or (isinstance(c, type(code)) and has_set_constant(c))
+               for c in code.co_consts)
+
+
 def collect_args(*args, **kwargs):
     return args, kwargs
 
 
 def load_call(text):
     """The child's side of `prepare_call`: a function giving fresh (args, kwargs)."""
-    data = binascii.a2b_base64(text[1:])
-    if text[:1] == "v":
+    kind, body = text[:1], text[1:]
+    if kind == "s":
+        code = compile("_(\n" + body + "\n)", "<input>", "eval")
+    elif kind == "v":
+        data = binascii.a2b_base64(body)
         return lambda: marshal.loads(data)
-    code = marshal.loads(data)
+    else:
+        code = marshal.loads(binascii.a2b_base64(body))
     return lambda: eval(code, {"_": collect_args})
+
+
+def load_code(text):
+    """The child's side of `prepare_code`."""
+    if text[:1] == "s":
+        return compile(text[1:], "<program>", "exec")
+    return marshal.loads(binascii.a2b_base64(text[1:]))
 
 
 def to_base64(data):
@@ -521,10 +553,18 @@ def run_calls(code, name, calls):
     return outputs
 
 
-# Packed code and inputs of one prepared program, at most: 32 of them fit one
-# checker reply (the Rust side's MAX_REPLY_BYTES), and compiling can fold a
-# short expression such as "a" * 4096 into a large constant.
-PREPARED_CHARS = 1 << 20
+# Packed code and inputs of one prepared program, at most: compiling can fold
+# a short expression such as "a" * 4096 into a large constant, and 32 of them
+# must fit one checker reply (the Rust side's MAX_REPLY_BYTES).
+PREPARED_CHARS = 4 << 20
+
+
+def prepare_code(source, code):
+    """"c" + marshalled code, or "s" + the source, compiled again by the child,
+    when the code holds a set constant (see `prepare_call`)."""
+    if has_set_constant(code):
+        return "s" + source
+    return "c" + to_base64(marshal.dumps(code))
 
 
 def job_prepare(job):
@@ -536,7 +576,7 @@ def job_prepare(job):
         raise Reject("syntax_error", describe(exc))
     name = check_top_level(tree)
     features = scan(tree)
-    code = to_base64(marshal.dumps(compile(tree, "<program>", "exec")))
+    code = prepare_code(job["program"], compile(tree, "<program>", "exec"))
     calls = [prepare_call(text) for text in job["inputs"]]
     size = len(code) + sum(len(call) for call in calls)
     if size > PREPARED_CHARS:
@@ -548,7 +588,7 @@ def job_prepare(job):
 def job_run(job):
     """Child: run prepared code on every input, `runs` times; two runs must
     give the same reprs."""
-    code = marshal.loads(binascii.a2b_base64(job["code"]))
+    code = load_code(job["code"])
     calls = [load_call(call) for call in job["calls"]]
     first = run_calls(code, job["function"], calls)
     if job["runs"] > 1:
@@ -913,7 +953,7 @@ def supervise(pid, out_r, err_r, res_r, result_buffered, limits, deadline):
 
 
 def handle(st, req):
-    job, limits = req["job"], req["limits"]
+    job, limits = req["job"], st.cfg["limits"]
     work = new_work_dir(st)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -952,15 +992,10 @@ STATUSES = frozenset((
     "banned_name", "bad_input", "runtime_error", "timeout", "memory_limit",
     "output_limit", "non_deterministic", "mismatch", "crashed",
 ))
-FEATURES = ("ast_nodes", "max_depth", "node_types", "cyclomatic")
 # Optional fields of a child's result and their expected types.
 RESULT_CHECKS = {
     "reason": lambda v: isinstance(v, str),
-    "function": lambda v: isinstance(v, str),
     "outputs": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "equal": lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v),
-    "features": lambda v: isinstance(v, dict) and sorted(v) == sorted(FEATURES)
-    and all(type(v[k]) is int and v[k] >= 0 for k in FEATURES),
 }
 
 
@@ -1007,8 +1042,9 @@ def settle(verdict, status, result, stderr):
 # says so): a huge program or answer may have left a large heap behind. Until
 # then that heap counts against the checker's address-space limit, so whether
 # parsing a program needing nearly `memory_mb` fails with MemoryError can
-# depend on what the same checker parsed before. With the default 64 KiB
-# program limit no parse comes near.
+# depend on what the same checker parsed before. With the default limits
+# (programs of 64 KiB, answers of 8 KiB, run outputs of at most 1 MiB each)
+# no parse comes near 512 MiB.
 CHECKER_RETIRE_KB = 128 << 10
 
 
@@ -1099,7 +1135,7 @@ def main():
         st = isolate(cfg)
         if role == "checker":
             confine_checker(st, cfg["limits"])
-    except OSError as exc:
+    except Exception as exc:  # the checker's stderr goes nowhere: say why here
         write_msg(proto_out, {"fatal": describe(exc)})
         return
     warm_up(role)

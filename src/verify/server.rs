@@ -15,8 +15,8 @@ const STARTUP_MS: u64 = 20_000;
 /// Slack on top of a job's own timeout for forking, reaping and replying.
 const REPLY_SLACK_MS: u64 = 5_000;
 /// Largest reply we accept from a server: a checker's reply to a `Many` of 32
-/// prepared programs of up to 1 MiB each (`PREPARED_CHARS` in server.py).
-const MAX_REPLY_BYTES: usize = 40 << 20;
+/// prepared programs of up to 4 MiB each (`PREPARED_CHARS` in server.py).
+const MAX_REPLY_BYTES: usize = 136 << 20;
 /// How long a server may take to exit after its pipe closes before it is killed.
 const EXIT_GRACE_MS: u64 = 500;
 
@@ -109,13 +109,12 @@ impl Reply {
 #[derive(Serialize)]
 struct Envelope<'a> {
     job: &'a Request<'a>,
-    limits: &'a Limits,
 }
 
 #[derive(Serialize)]
 struct ServerConfig<'a> {
     role: Role,
-    /// The checker confines itself with these; the zygote gets them per job.
+    /// The checker confines itself with these; the zygote applies them to every child.
     limits: &'a Limits,
     namespaces: bool,
     landlock: bool,
@@ -188,9 +187,11 @@ impl Server {
         Ok(server)
     }
 
-    /// Run one job. An `Err` means the server itself failed and must be replaced.
+    /// Run one job; `limits.timeout_ms` plus slack is the deadline for the reply
+    /// (the server has the limits from its configuration). An `Err` means the
+    /// server itself failed and must be replaced.
     pub fn call(&mut self, job: &Request, limits: &Limits) -> Result<Reply, Error> {
-        let body = serde_json::to_vec(&Envelope { job, limits })
+        let body = serde_json::to_vec(&Envelope { job })
             .map_err(|e| Error::Protocol(format!("cannot encode a request: {e}")))?;
         let len = u32::try_from(body.len())
             .map_err(|_| Error::Protocol(format!("request of {} bytes", body.len())))?;
