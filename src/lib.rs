@@ -7,6 +7,7 @@
 //! | [`lora`] | LoRA adapters, their files (ours and PEFT), AdamW |
 //! | [`compute`] | multi-adapter batched generate / logprobs / train step |
 //! | [`evolve`] | rank-preserving weight-space operators |
+//! | [`grammar`] | structured decoding: grammars compiled against the vocabulary, token masks |
 //! | [`verify`] | the Python sandbox and program checks |
 //! | [`task`] | AZR triplets, task kinds, prompts, answer parsing, buffers |
 //! | [`eval`] | held-out benchmarks: HumanEval, HumanEval-IO, GSM8K/MATH sets, result tables |
@@ -21,6 +22,7 @@ pub mod base;
 pub mod compute;
 pub mod eval;
 pub mod evolve;
+pub mod grammar;
 pub mod lora;
 pub mod rating;
 pub mod report;

@@ -7,8 +7,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use populora::base::tiny::{self, TinySpec};
 use populora::base::{Llama, Logits, NoLora, Positions};
 use populora::compute::{
-    self, AdapterSet, GenRequest, RowAdapters, Sampling, ScoreRow, TrainConfig, TrainRow,
+    self, AdapterSet, GenRequest, Pick, RowAdapters, Sampling, ScoreRow, StopReason, TrainConfig,
+    TrainRow,
 };
+use populora::grammar::{TokenMask, Vocabulary};
 use populora::keyed_stream;
 use populora::lora::{Adapter, LoraConfig, LoraModule, Target};
 use rand::Rng;
@@ -170,6 +172,7 @@ fn request(adapter: Option<u64>, prompt: Vec<u32>, sampling: Sampling, seed: u64
         stop: vec![],
         sampling,
         rng: keyed_stream!(seed, "row"),
+        grammar: None,
     }
 }
 
@@ -261,10 +264,40 @@ fn logprobs_match_generation_logprobs_and_respect_micro_batching() {
     }
 }
 
+/// The log-prob of each masked token of `row` under the softmax at the row's
+/// temperature renormalised over its mask, from plain scoring of every
+/// allowed token in its place: `lp(t)/T − log Σ_{a allowed} exp(lp(a)/T)`
+/// (the log-partition of the full softmax cancels).
+fn masked_logprobs(model: &Llama, set: &AdapterSet, row: &TrainRow) -> Vec<Option<f32>> {
+    let vocab = model.config.vocab_size as u32;
+    (0..row.tokens.len())
+        .map(|t| {
+            let mask = row.allowed[t].as_ref()?;
+            let allowed: Vec<u32> = (0..vocab).filter(|&a| mask.allows(a)).collect();
+            let scores: Vec<ScoreRow> = allowed
+                .iter()
+                .map(|&a| ScoreRow {
+                    adapter: Some(row.adapter),
+                    tokens: [&row.tokens[..t], &[a]].concat(),
+                    score_from: t,
+                })
+                .collect();
+            let lps = compute::logprobs(model, set, &scores, 4096).unwrap();
+            let temperature = row.temperature as f64;
+            let lps: Vec<f64> = lps.iter().map(|l| l[0] as f64 / temperature).collect();
+            let own = lps[allowed.iter().position(|&a| a == row.tokens[t]).unwrap()];
+            let max = lps.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let total: f64 = lps.iter().map(|l| (l - max).exp()).sum();
+            Some((own - max - total.ln()) as f32)
+        })
+        .collect()
+}
+
 /// d(PPO loss)/d(A, B) of every target module of two adapters sharing one
 /// batch, analytic vs central finite differences in f64. The adapters differ
 /// in rank and targets; the first micro-batch holds both (two segments), the
-/// second only one (accumulation across micro-batches).
+/// second only one (accumulation across micro-batches). One row of each
+/// adapter is trained under grammar masks (the masked, renormalised policy).
 #[test]
 fn train_step_gradients_match_finite_differences_for_every_factor() {
     let spec = TinySpec {
@@ -303,9 +336,29 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
                 loss_mask,
                 advantages,
                 old_logprobs: vec![0.0; len],
+                allowed: vec![None; len],
+                temperature: 1.0,
             }
         })
         .collect();
+    // The first row of each adapter is trained under grammar masks: at every
+    // scored position, four tokens allowed (the target and three others); the
+    // first at temperature 0.7.
+    let vocab = model.config.vocab_size;
+    let mut rows = rows;
+    rows[0].temperature = 0.7;
+    for row in rows.iter_mut().take(2) {
+        for t in 2..row.tokens.len() {
+            let mut allowed = vec![row.tokens[t]];
+            while allowed.len() < 4 {
+                let other = rng.random_range(0..vocab as u32);
+                if !allowed.contains(&other) {
+                    allowed.push(other);
+                }
+            }
+            row.allowed[t] = Some(TokenMask::from_tokens(&allowed, vocab));
+        }
+    }
     // Old log-probs near the current ones, so ratios sit inside the clip range
     // (away from the kinks of min/clip where finite differences are undefined).
     let scores: Vec<ScoreRow> = rows
@@ -321,8 +374,11 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
         .into_iter()
         .zip(current)
         .map(|(mut r, lp)| {
+            let masked = masked_logprobs(&model, &set, &r);
             r.old_logprobs = std::iter::once(0.0)
                 .chain(lp.iter().map(|l| l + 0.05))
+                .zip(&masked)
+                .map(|(free, masked)| masked.map_or(free, |m| m + 0.05))
                 .collect();
             r
         })
@@ -417,6 +473,8 @@ fn train_step_does_not_depend_on_head_chunks_or_micro_batches() {
                 loss_mask: (0..len).map(|t| t >= 3).collect(),
                 advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
                 old_logprobs: (0..len).map(|_| rng.random_range(-6.0f32..-4.0)).collect(),
+                allowed: vec![None; len],
+                temperature: 1.0,
             }
         })
         .collect();
@@ -498,7 +556,134 @@ fn bad_rows_are_errors_not_panics() {
         loss_mask: vec![true, true],
         advantages: vec![0.0; 2],
         old_logprobs: vec![0.0; 2],
+        allowed: vec![None; 2],
+        temperature: 1.0,
     };
     assert!(compute::train_step(&model, &set, &[row], TrainConfig::default()).is_err());
+    // A trained token outside its own mask.
+    let vocab = model.config.vocab_size;
+    let row = TrainRow {
+        adapter: 0,
+        tokens: vec![1, 2],
+        loss_mask: vec![false, true],
+        advantages: vec![0.0; 2],
+        old_logprobs: vec![0.0; 2],
+        allowed: vec![None, Some(TokenMask::from_tokens(&[3, 4], vocab))],
+        temperature: 1.0,
+    };
+    let adapter = random_adapter(&model, 1, DType::F32);
+    let set = AdapterSet::new().with(0, &adapter);
+    let err = compute::train_step(&model, &set, &[row], TrainConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("mask"), "{err}");
     let _ = NoLora;
+}
+
+/// Structured decoding: forced text is appended without sampling (the first
+/// run of it joins the prefill), every sampled token is in its mask, its
+/// log-prob is of the masked softmax at the sampling temperature, and the
+/// reply ends with the stop token when the grammar is complete.
+#[test]
+fn constrained_rows_follow_their_grammar_and_record_the_masked_policy() {
+    let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
+    let tokenizer = vocab.tokenizer().unwrap();
+    let adapter = random_adapter(&model, 5, DType::F32);
+    let set = AdapterSet::new().with(0, &adapter);
+    let vocabulary = Vocabulary::new(&tokenizer, model.config.vocab_size).unwrap();
+    let grammar = std::sync::Arc::new(
+        vocabulary
+            .compile("start: \"The answer is \" /[0-9]{1,3}/ \".\"")
+            .unwrap(),
+    );
+    let sampling = Sampling {
+        temperature: 0.8,
+        top_p: 1.0,
+    };
+    let constrained = |seed| GenRequest {
+        max_new_tokens: 40,
+        stop: tokenizer.stop_ids.clone(),
+        grammar: Some(grammar.clone()),
+        ..request(
+            Some(0),
+            tokenizer.encode("Q: 2+2?").unwrap(),
+            sampling,
+            seed,
+        )
+    };
+    let (out, stats) =
+        compute::generate_with_stats(&model, &set, vec![constrained(1), constrained(2)]).unwrap();
+    for g in &out {
+        let text = tokenizer.decode(&g.tokens[..g.tokens.len() - 1]).unwrap();
+        assert!(
+            text.starts_with("The answer is ") && text.ends_with('.'),
+            "{text:?}"
+        );
+        assert_eq!(g.stop, StopReason::StopToken);
+        assert_eq!(g.tokens.last(), Some(&tokenizer.stop_ids[0]));
+        let prefix = "The answer is ".len();
+        assert!(g.picks[..prefix].iter().all(|p| *p == Pick::Forced));
+        assert!(g.logprobs[..prefix].iter().all(|&l| l == 0.0));
+        assert_eq!(
+            g.picks.last(),
+            Some(&Pick::Forced),
+            "the stop token is forced"
+        );
+        // Every sampled token lies in its mask, and its log-prob is of the
+        // masked softmax at temperature 0.8.
+        let prompt = tokenizer.encode("Q: 2+2?").unwrap();
+        let row = TrainRow {
+            adapter: 0,
+            tokens: [prompt.as_slice(), &g.tokens].concat(),
+            loss_mask: vec![false; prompt.len() + g.tokens.len()],
+            advantages: vec![0.0; prompt.len() + g.tokens.len()],
+            old_logprobs: vec![0.0; prompt.len() + g.tokens.len()],
+            allowed: std::iter::repeat_n(None, prompt.len())
+                .chain(g.picks.iter().map(Pick::mask))
+                .collect(),
+            temperature: 0.8,
+        };
+        let expected = masked_logprobs(&model, &set, &row);
+        let sampled: Vec<usize> = (0..g.tokens.len())
+            .filter(|&i| matches!(g.picks[i], Pick::Masked(_)))
+            .collect();
+        assert!(!sampled.is_empty());
+        for i in sampled {
+            let Pick::Masked(mask) = &g.picks[i] else {
+                unreachable!()
+            };
+            assert!(mask.allows(g.tokens[i]));
+            let want = expected[prompt.len() + i].unwrap();
+            assert!(
+                (g.logprobs[i] - want).abs() < 1e-4,
+                "{} vs {want}",
+                g.logprobs[i]
+            );
+        }
+    }
+    // The forced prefix rode along with the prompt: one pass per sampled
+    // token, plus the prefill.
+    let longest_sampled = out
+        .iter()
+        .map(|g| g.picks.iter().filter(|p| **p != Pick::Forced).count())
+        .max()
+        .unwrap();
+    assert!(stats.passes <= longest_sampled + 2, "{stats:?}");
+    assert!(stats.forced_tokens >= 2 * 15);
+    // Same seed, same reply.
+    let again = compute::generate(&model, &set, vec![constrained(1)]).unwrap();
+    assert_eq!(again[0].tokens, out[0].tokens);
+}
+
+/// A grammar compiled for another vocabulary size is refused, not indexed out of range.
+#[test]
+fn a_grammar_for_another_vocabulary_is_an_error() {
+    let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
+    let tokenizer = vocab.tokenizer().unwrap();
+    let vocabulary = Vocabulary::new(&tokenizer, model.config.vocab_size + 32).unwrap();
+    let grammar = std::sync::Arc::new(vocabulary.compile("start: \"x\"").unwrap());
+    let row = GenRequest {
+        grammar: Some(grammar),
+        ..request(None, vec![1, 2], Sampling::GREEDY, 0)
+    };
+    let err = compute::generate(&model, &AdapterSet::new(), vec![row]).unwrap_err();
+    assert!(err.to_string().contains("grammar"), "{err}");
 }

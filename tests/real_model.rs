@@ -94,6 +94,7 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
         stop: vec![],
         sampling: Sampling::GREEDY,
         rng: keyed_stream!(0, "test"),
+        grammar: None,
     };
     let ours = compute::generate(&base.model, &AdapterSet::new(), vec![request]).unwrap();
     assert_eq!(ours[0].tokens, peer_tokens);
@@ -125,11 +126,12 @@ fn smollm2_tokenizer_and_chat_format() {
 }
 
 /// Issue 6's end-to-end step on the real model: one solo self-play step with
-/// small settings, every phase exercised, metrics consistent.
+/// small settings, every phase exercised, metrics consistent; with structured
+/// decoding on, every reply parses.
 #[test]
 fn one_selfplay_step_on_smollm2() {
     use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig, Target};
-    use populora::selfplay::{self, Learner, Roster, Settings, StepContext};
+    use populora::selfplay::{self, Grammars, Learner, Roster, Settings, StepContext};
     use populora::task::{PromptConfig, TaskBuffers, TaskKind};
     use populora::verify::{SandboxConfig, VerifierPool};
     use std::collections::BTreeMap;
@@ -143,9 +145,11 @@ fn one_selfplay_step_on_smollm2() {
         },
         proposals_per_kind: 2,
         solver_samples: 2,
-        max_new_tokens: 48,
+        max_new_tokens: 128,
         ..Settings::default()
     };
+    assert!(settings.constrained);
+    let grammars = Grammars::compile(&base.tokenizer, base.config().vocab_size, &settings).unwrap();
     let lora = LoraConfig {
         rank: 4,
         targets: vec![Target::Q, Target::V],
@@ -167,6 +171,7 @@ fn one_selfplay_step_on_smollm2() {
         step: 1,
         settings: &settings,
         tokenizer: &base.tokenizer,
+        grammars: &grammars,
     };
     let report = selfplay::run_step(
         &ctx,
@@ -192,6 +197,25 @@ fn one_selfplay_step_on_smollm2() {
         "the solver always has problems (buffer fallback)"
     );
     assert!(m.train_tokens[&0] > 0);
+    assert!(
+        !m.proposals
+            .rejected
+            .keys()
+            .any(|k| k.starts_with("format.")),
+        "every constrained proposal parses: {:?}",
+        m.proposals.rejected
+    );
+    for (kind, rate) in &m.solver_format_errors {
+        assert!(rate.is_none_or(|r| r == 0.0), "{kind:?}: {rate:?}");
+    }
+    for s in &report.solves {
+        assert_eq!(
+            s.generation.stop,
+            compute::StopReason::StopToken,
+            "{:?}",
+            s.text
+        );
+    }
     for phase in ["propose", "validate", "solve", "score", "train"] {
         assert!(m.phase_ms.contains_key(phase), "{phase}");
     }

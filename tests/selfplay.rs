@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use candle_core::Device;
 use populora::base::tiny::{self, TinySpec};
 use populora::base::{Llama, Tokenizer};
-use populora::compute::{self, AdapterSet, Generation, ScoreRow, StopReason, TrainConfig};
+use populora::compute::{self, AdapterSet, Generation, Pick, ScoreRow, StopReason, TrainConfig};
 use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
 use populora::rl::ppo_clip_token_loss;
-use populora::selfplay::{self, Learner, Roster, Settings, StepContext, Verdict};
+use populora::selfplay::{self, Grammars, Learner, Roster, Settings, StepContext, Verdict};
 use populora::task::{PromptConfig, TaskBuffers, TaskKind};
 use populora::verify::{SandboxConfig, VerifierPool};
 
@@ -50,6 +50,7 @@ fn settings(kinds: &[TaskKind]) -> Settings {
         proposals_per_kind: 2,
         solver_samples: 3,
         max_new_tokens: 12,
+        constrained: false,
         ..Settings::default()
     }
 }
@@ -82,6 +83,7 @@ fn scripted(
         .unwrap()
         .remove(0);
     Generation {
+        picks: vec![Pick::Free; tokens.len()],
         tokens,
         logprobs,
         stop: StopReason::StopToken,
@@ -122,6 +124,7 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
         step: 1,
         settings: &settings,
         tokenizer: &tok,
+        grammars: &Grammars::off(),
     };
     let (teacher, student) = (0u64, 1u64);
     let mut learners = BTreeMap::from([
@@ -257,8 +260,11 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
     }
 }
 
+/// Steps of every task kind with structured decoding on: seeded, so
+/// reproducible, and every reply parses.
 fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
     let (model, tok) = tiny();
+    let base = settings(&TaskKind::ALL);
     let settings = Settings {
         sampling: compute::Sampling {
             temperature: 1.0,
@@ -266,8 +272,16 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
         },
         proposals_per_kind: 1,
         solver_samples: 2,
-        ..settings(&TaskKind::ALL)
+        max_new_tokens: 160,
+        constrained: true,
+        prompt: PromptConfig {
+            induction_inputs: 3,
+            induction_shown: 2,
+            ..base.prompt.clone()
+        },
+        ..base
     };
+    let grammars = Grammars::compile(&tok, model.config.vocab_size, &settings).unwrap();
     let mut learners = BTreeMap::from([(0, learner(&model, 9, 0)), (1, learner(&model, 9, 1))]);
     let roster = Roster {
         proposers: vec![0, 1],
@@ -283,6 +297,7 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
             step,
             settings: &settings,
             tokenizer: &tok,
+            grammars: &grammars,
         };
         let report =
             selfplay::run_step(&ctx, &model, &pool, &mut learners, &roster, &mut buffers).unwrap();
@@ -293,6 +308,19 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
             ["propose", "score", "solve", "train", "validate"]
         );
         assert!(m.tokens.prompt_mean > 0.0 && m.tokens.response_mean > 0.0);
+        let malformed: Vec<_> = m
+            .proposals
+            .rejected
+            .keys()
+            .filter(|k| k.starts_with("format."))
+            .collect();
+        assert!(malformed.is_empty(), "step {step}: {malformed:?}");
+        for (kind, rate) in &m.solver_format_errors {
+            assert!(
+                rate.is_none_or(|r| r == 0.0),
+                "step {step}: {kind:?} {rate:?}"
+            );
+        }
         let mut m = m.clone();
         m.phase_ms.clear();
         lines.push(serde_json::to_string(&m).unwrap());

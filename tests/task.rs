@@ -60,6 +60,16 @@ fn proposal_in_answer_tags_wins_and_functions_are_renamed_to_f() {
 }
 
 #[test]
+fn a_nested_helper_is_part_of_the_one_function() {
+    let program = "def double_all(xs):\n    def double(x):\n        return 2 * x\n    return [double(x) for x in xs]";
+    let p = parse_proposal(&format!("```python\n{program}\n```\n```input\n[1]\n```")).unwrap();
+    assert_eq!(
+        p.program,
+        "def f(xs):\n    def double(x):\n        return 2 * x\n    return [double(x) for x in xs]"
+    );
+}
+
+#[test]
 fn proposal_format_errors_are_typed() {
     let cases: [(&str, FormatError); 5] = [
         ("def f(a): return a", FormatError::NoProgramBlock),
@@ -68,7 +78,7 @@ fn proposal_format_errors_are_typed() {
             FormatError::NoFunction,
         ),
         (
-            "```python\ndef f(a):\n    def g(b): return b\n    return g(a)\n```\n```input\n1\n```",
+            "```python\ndef f(a):\n    return a\ndef g(b):\n    return b\n```\n```input\n1\n```",
             FormatError::MultipleFunctions { count: 2 },
         ),
         (

@@ -39,26 +39,36 @@ fn is_root() -> bool {
 /// (a program's processes descend from a zygote, never from us).
 fn sandbox_processes(uid: u32) -> Vec<u32> {
     let me = std::process::id();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(status) = std::fs::read_to_string(entry.path().join("status")) else {
-            continue;
-        };
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|value| value.parse::<u32>().ok())
-        };
-        if field("Uid:") == Some(uid) && field("PPid:") != Some(me) {
-            pids.push(pid);
-        }
+    processes()
+        .filter(|p| p.field("Uid:") == Some(uid) && p.field("PPid:") != Some(me))
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// A process in /proc: its pid and its `status` file.
+struct Process {
+    pid: u32,
+    status: String,
+}
+
+impl Process {
+    /// The first number of a `status` line such as `Uid:` or `PPid:`.
+    fn field(&self, name: &str) -> Option<u32> {
+        self.status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|value| value.parse().ok())
     }
-    pids
+}
+
+fn processes() -> impl Iterator<Item = Process> {
+    let entries = std::fs::read_dir("/proc").expect("read /proc").flatten();
+    entries.filter_map(|entry| {
+        let pid = entry.file_name().to_string_lossy().parse().ok()?;
+        let status = std::fs::read_to_string(entry.path().join("status")).ok()?;
+        Some(Process { pid, status })
+    })
 }
 
 fn assert_no_sandbox_processes(uid: u32) {
@@ -141,6 +151,29 @@ fn valid_proposals_give_the_repr_and_features() {
     assert_eq!(v.output.as_deref(), Some("4"));
     // for + if + `and` = 3 decision points.
     assert_eq!(v.features.unwrap().cyclomatic, 4);
+    // Allowed modules reached as the program imported them, and private
+    // attributes of its own objects, stay valid.
+    for (program, input, expected) in [
+        (
+            "import collections.abc\ndef f(a):\n    return isinstance(a, collections.abc.Sequence)",
+            "[1]",
+            "True",
+        ),
+        (
+            "from collections import Counter\ndef f(s):\n    return Counter(s).most_common(1)",
+            "'abca'",
+            "[('a', 2)]",
+        ),
+        (
+            "class Box:\n    def __init__(self, v):\n        self._v = v\ndef f(a):\n    return Box(a)._v",
+            "7",
+            "7",
+        ),
+    ] {
+        let v = pool.validate_proposal(program, input).unwrap();
+        assert_eq!(v.status, Status::Ok, "{program:?}: {}", v.reason);
+        assert_eq!(v.output.as_deref(), Some(expected), "{program:?}");
+    }
     let renamed = pool
         .validate_proposal("def double(x):\n    return 2 * x", "21")
         .unwrap();
@@ -208,6 +241,52 @@ fn invalid_proposals_get_typed_reasons() {
             "def f(a):\n    return getattr(a, 'real')",
             "1",
             Status::BannedName,
+        ),
+        // Modules reached through attributes of allowed modules.
+        (
+            "import typing\ndef f(a):\n    return typing.sys.modules['os'].system('true')",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import typing\ndef f(a):\n    m = typing.sys.modules\n    return m['_frozen_importlib']._gcd_import('random').random()",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import typing\ndef f(a):\n    t = typing\n    return t.sys.platform",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import enum\ndef f(a):\n    return enum.bltns.open('/etc/passwd').read()",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import collections\ndef f(a):\n    return collections._sys.platform",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import re\ndef f(a):\n    return re._compiler.MAXCODE",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import string as s\ndef f(a):\n    return s._sentinel_dict",
+            "1",
+            Status::BannedName,
+        ),
+        (
+            "from typing import sys\ndef f(a):\n    return sys.platform",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "from math import *\ndef f(a):\n    return floor(a)",
+            "1",
+            Status::BannedImport,
         ),
         ("def f(a):\n    return a", "1)(2", Status::BadInput),
         (
@@ -401,7 +480,7 @@ fn hostile_programs_are_contained() {
     std::fs::create_dir_all(&scratch).unwrap();
     let secret = scratch.join("secret.txt");
     std::fs::write(&secret, "the secret").unwrap();
-    let escapes: Vec<PathBuf> = ["escape-a", "escape-b"]
+    let escapes: Vec<PathBuf> = ["escape-a", "escape-b", "escape-c"]
         .iter()
         .map(|n| scratch.join(n))
         .collect();
@@ -506,6 +585,18 @@ fn hostile_programs_are_contained() {
             "subprocess",
             humaneval("import subprocess\ndef candidate_fn():\n    subprocess.run(['/bin/true'])", run_it),
             &[Status::RuntimeError],
+        ),
+        (
+            // What the AST checks reject in a proposal, run unchecked.
+            "os.system through typing.sys.modules",
+            humaneval(
+                &format!(
+                    "import typing\ndef candidate_fn():\n    return typing.sys.modules['os'].system('echo pwned > {}')",
+                    escapes[2].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch, Status::RuntimeError],
         ),
         (
             "ignoring SIGTERM",
@@ -804,26 +895,16 @@ fn a_deeply_nested_result_is_malformed_not_a_zygote_failure() {
 /// Pids of the checkers of pools in this process: our own children, with
 /// `"role":"checker"` in their configuration argument.
 fn checker_pids() -> Vec<i32> {
-    let me = std::process::id().to_string();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let (Ok(status), Ok(cmdline)) = (
-            std::fs::read_to_string(entry.path().join("status")),
-            std::fs::read(entry.path().join("cmdline")),
-        ) else {
-            continue;
-        };
-        let parent = status.lines().find_map(|l| l.strip_prefix("PPid:"));
-        let is_checker = cmdline
-            .windows(br#""role":"checker""#.len())
-            .any(|w| w == br#""role":"checker""#);
-        if parent.map(str::trim) == Some(me.as_str()) && is_checker {
-            pids.push(pid);
-        }
-    }
+    let me = std::process::id();
+    let role = br#""role":"checker""#;
+    let mut pids: Vec<i32> = processes()
+        .filter(|p| p.field("PPid:") == Some(me))
+        .filter(|p| {
+            let cmdline = std::fs::read(format!("/proc/{}/cmdline", p.pid)).unwrap_or_default();
+            cmdline.windows(role.len()).any(|w| w == role)
+        })
+        .map(|p| p.pid as i32)
+        .collect();
     pids.sort_unstable();
     pids
 }

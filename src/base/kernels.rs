@@ -585,15 +585,53 @@ per_isa! {
     }
 }
 
+/// Whether bit `t` of a token mask is set (bit `t % 32` of word `t / 32`).
+pub fn bit_set(words: &[u32], t: u32) -> bool {
+    words
+        .get(t as usize / 32)
+        .is_some_and(|w| w >> (t % 32) & 1 == 1)
+}
+
+/// `z[t] ← masked` for every `t` whose bit in the token mask `words` is
+/// clear (and every `t` past its words).
+pub fn mask_out<T: Copy>(z: &mut [T], words: &[u32], masked: T) {
+    for (chunk, &word) in z.chunks_mut(32).zip(words) {
+        if word == u32::MAX {
+            continue;
+        }
+        for (bit, value) in chunk.iter_mut().enumerate() {
+            if word >> bit & 1 == 0 {
+                *value = masked;
+            }
+        }
+    }
+    z.iter_mut()
+        .skip(words.len() * 32)
+        .for_each(|v| *v = masked);
+}
+
+/// How a target's distribution comes from its logits: the softmax of
+/// `logits · inv_temperature` over the tokens `mask` allows (every token when
+/// `None`). It is the distribution its token was sampled from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy<'a> {
+    pub mask: Option<&'a [u32]>,
+    pub inv_temperature: f64,
+}
+
 /// For `logits`, the row-major values of `[n, vocab]` with one target token
 /// per row: each row's `log softmax(logits)[target]`; the logits are
 /// overwritten with the gradient of a loss whose derivative with respect to
 /// row `i`'s log-prob is `dloss(i, logp)`:
-/// `g·(onehot(target) − softmax(logits))`, `g = dloss(i, logp)`.
+/// `g·(onehot(target) − softmax(logits))`, `g = dloss(i, logp)`; under row
+/// `i`'s [`Policy`]: the softmax renormalised over the tokens its mask allows
+/// (the others' logits set to −∞: no probability, no gradient), of the logits
+/// divided by its temperature.
 pub fn target_logprob_grad<T: Real>(
     logits: &mut [T],
     vocab: usize,
     targets: &[u32],
+    policies: &[Policy],
     dloss: impl Fn(usize, f64) -> f64 + Sync,
 ) -> Result<Vec<f64>> {
     if vocab == 0 || targets.len().checked_mul(vocab) != Some(logits.len()) {
@@ -603,19 +641,39 @@ pub fn target_logprob_grad<T: Real>(
             logits.len()
         )
     }
+    if policies.len() != targets.len() {
+        bail!("{} targets but {} policies", targets.len(), policies.len())
+    }
     if let Some(t) = targets.iter().find(|&&t| t as usize >= vocab) {
         bail!("target token {t} outside the vocabulary of {vocab}")
+    }
+    if let Some(i) = (0..targets.len()).find(|&i| {
+        let p = &policies[i];
+        p.mask
+            .is_some_and(|m| m.len() != vocab.div_ceil(32) || !bit_set(m, targets[i]))
+            || !(p.inv_temperature.is_finite() && p.inv_temperature > 0.0)
+    }) {
+        bail!("target {i} is outside its mask, its mask does not cover the vocabulary, or its temperature is not positive")
     }
     let isa = Isa::best();
     Ok(logits
         .par_chunks_mut(vocab)
         .enumerate()
         .map(|(i, z)| {
+            let policy = &policies[i];
+            if let Some(words) = policy.mask {
+                mask_out(z, words, T::from_f64(f64::NEG_INFINITY));
+            }
+            // d/dz of a function of z/T is 1/T times its gradient there.
+            let inv_t = policy.inv_temperature;
+            if inv_t != 1.0 {
+                scale_in_place(isa, z, T::from_f64(inv_t));
+            }
             let target = targets[i] as usize;
             let target_logit = z[target];
             let (max, sum) = exp_shifted_in_place(isa, z);
             let logp = (target_logit - max).to_f64() - sum.ln();
-            let g = dloss(i, logp);
+            let g = dloss(i, logp) * inv_t;
             scale_in_place(isa, z, T::from_f64(-g / sum));
             z[target] += T::from_f64(g);
             logp
@@ -847,6 +905,12 @@ mod tests {
     }
 
     /// `∂(Σ f(x)⊙w)/∂x` through candle's plain ops.
+    /// The plain softmax at temperature 1.
+    const FREE: Policy<'static> = Policy {
+        mask: None,
+        inv_temperature: 1.0,
+    };
+
     fn plain_grad(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
         let var = Var::from_tensor(x).unwrap();
         let y = f(var.as_tensor());
@@ -938,7 +1002,9 @@ mod tests {
         let weights = [0.5, -2.0, 1.5];
         let values = || logits.flatten_all().unwrap().to_vec1::<f64>().unwrap();
         let mut grad = values();
-        let logps = target_logprob_grad::<f64>(&mut grad, 7, &targets, |i, _| weights[i]).unwrap();
+        let free = [FREE; 3];
+        let logps =
+            target_logprob_grad::<f64>(&mut grad, 7, &targets, &free, |i, _| weights[i]).unwrap();
         let grad = Tensor::from_vec(grad, logits.shape(), &Device::Cpu).unwrap();
         let picked = |l: &Tensor| {
             candle_nn::ops::log_softmax(l, D::Minus1)
@@ -961,8 +1027,81 @@ mod tests {
         let w = Tensor::new(&weights, &Device::Cpu).unwrap();
         assert!(max_abs_diff(&grad, &plain_grad(&logits, &w, picked)) < 1e-12);
         for (vocab, bad_targets) in [(7, &[4, 0, 7][..]), (7, &[4, 0]), (3, &[0; 6]), (0, &[])] {
-            let result = target_logprob_grad::<f64>(&mut values(), vocab, bad_targets, |_, _| 1.0);
+            let free = vec![FREE; bad_targets.len()];
+            let result =
+                target_logprob_grad::<f64>(&mut values(), vocab, bad_targets, &free, |_, _| 1.0);
             assert!(result.is_err(), "{vocab} {bad_targets:?}");
+        }
+        // A target outside its mask, and a mask of the wrong size.
+        let outside: [u32; 1] = [0b0110];
+        let short: [u32; 0] = [];
+        let masked = |mask| Policy {
+            mask: Some(mask),
+            inv_temperature: 1.0,
+        };
+        let frozen = Policy {
+            mask: None,
+            inv_temperature: 0.0,
+        };
+        for policies in [
+            [masked(&outside[..]), FREE, FREE],
+            [FREE, masked(&short[..]), FREE],
+            [FREE, FREE, frozen],
+        ] {
+            let result =
+                target_logprob_grad::<f64>(&mut values(), 7, &targets, &policies, |_, _| 1.0);
+            assert!(result.is_err());
+        }
+    }
+
+    #[test]
+    fn target_logprob_grad_renormalises_over_the_mask_at_its_temperature() {
+        let logits = randn(&[2, 7]);
+        let targets = [4u32, 6];
+        let weights = [0.7, -1.3];
+        // Row 0 allows tokens 1, 4 and 5 at temperature 1; row 1 the whole
+        // vocabulary at temperature 0.5.
+        let allowed: [u32; 1] = [0b11_0010];
+        let masks = [
+            Policy {
+                mask: Some(&allowed[..]),
+                inv_temperature: 1.0,
+            },
+            Policy {
+                mask: None,
+                inv_temperature: 2.0,
+            },
+        ];
+        let mut grad = logits.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let logps =
+            target_logprob_grad::<f64>(&mut grad, 7, &targets, &masks, |i, _| weights[i]).unwrap();
+        let grad = Tensor::from_vec(grad, logits.shape(), &Device::Cpu).unwrap();
+        let neg = f64::NEG_INFINITY;
+        let bias = Tensor::new(
+            &[[neg, 0.0, neg, neg, 0.0, 0.0, neg], [0.0; 7]],
+            &Device::Cpu,
+        )
+        .unwrap();
+        let scale = Tensor::new(&[[1.0f64], [2.0]], &Device::Cpu).unwrap();
+        let picked = |l: &Tensor| {
+            let scaled = l.broadcast_mul(&scale).unwrap();
+            candle_nn::ops::log_softmax(&(scaled + &bias).unwrap(), D::Minus1)
+                .unwrap()
+                .gather(&Tensor::new(&[[4u32], [6]], &Device::Cpu).unwrap(), 1)
+                .unwrap()
+                .squeeze(1)
+                .unwrap()
+        };
+        let expected = picked(&logits).to_vec1::<f64>().unwrap();
+        for (a, b) in logps.iter().zip(&expected) {
+            assert!((a - b).abs() < 1e-12, "{a} {b}");
+        }
+        let w = Tensor::new(&weights, &Device::Cpu).unwrap();
+        let plain = plain_grad(&logits, &w, picked);
+        assert!(max_abs_diff(&grad, &plain) < 1e-12);
+        let row0 = grad.get(0).unwrap().to_vec1::<f64>().unwrap();
+        for t in [0, 2, 3, 6] {
+            assert_eq!(row0[t], 0.0, "a masked-out token gets no gradient");
         }
     }
 

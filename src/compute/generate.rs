@@ -13,6 +13,9 @@
 //! are internally grouped by adapter (segments) and the results returned in
 //! request order.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use candle_core::{IndexOp, Tensor};
 use rand::Rng;
 use rand_chacha::ChaCha12Rng;
@@ -21,6 +24,7 @@ use rayon::prelude::*;
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::{Error, Result};
 use crate::base::{kernels, KvCache, Llama, Logits, Positions};
+use crate::grammar::{Constraint, Grammar, Next, TokenMask};
 
 /// How to pick the next token. `temperature <= 0` means greedy.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,6 +40,17 @@ impl Sampling {
         temperature: 0.0,
         top_p: 1.0,
     };
+
+    /// The temperature of the policy a token's log-prob is taken under: the
+    /// sampling temperature (1 for greedy rows). Top-p truncation is not
+    /// part of it.
+    pub fn policy_temperature(self) -> f32 {
+        if self.temperature > 0.0 {
+            self.temperature
+        } else {
+            1.0
+        }
+    }
 }
 
 impl Default for Sampling {
@@ -58,6 +73,8 @@ pub struct GenRequest {
     pub sampling: Sampling,
     /// This row's own stream (e.g. keyed by seed, member, step, row).
     pub rng: ChaCha12Rng,
+    /// The grammar the reply follows (structured decoding), if any.
+    pub grammar: Option<Arc<Grammar>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,18 +84,70 @@ pub enum StopReason {
     ContextFull,
 }
 
+/// How a generated token was chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Pick {
+    /// Sampled from the whole vocabulary.
+    Free,
+    /// Sampled from the tokens the grammar allowed there.
+    Masked(TokenMask),
+    /// Written by the grammar, the only token it allowed: not the model's
+    /// choice, so its log-prob is 0 and it is never trained.
+    Forced,
+}
+
+impl Pick {
+    /// The mask of a masked token.
+    pub fn mask(&self) -> Option<TokenMask> {
+        match self {
+            Pick::Masked(mask) => Some(mask.clone()),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub tokens: Vec<u32>,
-    /// log π(token) under the adapter at temperature 1, one per token.
+    /// log π(token) under the adapter, one per token: of the softmax at the
+    /// row's [`Sampling::policy_temperature`], renormalised over the mask for a
+    /// masked token; 0 for a forced one.
     pub logprobs: Vec<f32>,
+    /// How each token was chosen.
+    pub picks: Vec<Pick>,
     pub stop: StopReason,
 }
 
-/// A row still decoding.
-struct Active {
-    request: usize,
+/// Where a batch's decoding time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecodeStats {
+    /// Passes through the model (the prefill included).
+    pub passes: usize,
+    /// Wall time of the model passes.
+    pub model_ms: f64,
+    /// Wall time of sampling and of the grammars' masks (rows in parallel).
+    pub pick_ms: f64,
+    /// Of that, the grammars' share: wall time of the mask work.
+    pub mask_ms: f64,
+    pub sampled_tokens: usize,
+    pub forced_tokens: usize,
+}
+
+/// A row while it decodes.
+struct Row {
+    /// The request's place in the batch.
+    index: usize,
+    request: GenRequest,
     pad: usize,
+    /// Tokens decided but not yet seen by the model: the prompt and the
+    /// grammar's first forced tokens at first, then each new token and any
+    /// forced ones after it.
+    feed: Vec<u32>,
+    constraint: Option<Constraint>,
+    /// What the next token is sampled from (constrained rows).
+    mask: Option<TokenMask>,
+    out: Generation,
+    done: bool,
 }
 
 /// Generate for every request in one batch; results in request order.
@@ -87,143 +156,279 @@ pub fn generate(
     adapters: &AdapterSet,
     requests: Vec<GenRequest>,
 ) -> Result<Vec<Generation>> {
+    Ok(generate_with_stats(model, adapters, requests)?.0)
+}
+
+/// [`generate`], also saying where the time went.
+///
+/// Constrained rows (a request with a grammar) sample from the masked,
+/// renormalised distribution and record that distribution's log-prob. Tokens
+/// the grammar forces are appended without sampling. The grammar's first
+/// forced tokens join the prompt in the prefill; later, when every row has
+/// more than one decided token waiting, the pass takes them all at once.
+/// A batch without grammars decodes one token per pass, as it always did.
+pub fn generate_with_stats(
+    model: &Llama,
+    adapters: &AdapterSet,
+    requests: Vec<GenRequest>,
+) -> Result<(Vec<Generation>, DecodeStats)> {
     adapters.check(&model.config)?;
     let context = model.config.max_position_embeddings;
     for (row, r) in requests.iter().enumerate() {
-        if r.prompt.is_empty() {
-            return Err(Error::BadRow {
-                row,
-                reason: "empty prompt".into(),
-            });
-        }
-        if r.prompt.len() >= context {
-            return Err(crate::base::Error::TooLong {
-                tokens: r.prompt.len(),
-                context,
-            }
-            .into());
-        }
-        if let Some(&t) = r
-            .prompt
-            .iter()
-            .find(|&&t| t as usize >= model.config.vocab_size)
-        {
-            return Err(Error::BadRow {
-                row,
-                reason: format!("token id {t} outside the vocabulary"),
-            });
-        }
+        check_request(row, r, model)?;
     }
-    let mut requests = requests;
-    let mut out: Vec<Generation> = requests
-        .iter()
-        .map(|_| Generation {
-            tokens: Vec::new(),
-            logprobs: Vec::new(),
-            stop: StopReason::MaxTokens,
-        })
+    let mut stats = DecodeStats::default();
+    let count = requests.len();
+    let mut rows: Vec<Row> = requests
+        .into_iter()
+        .enumerate()
+        .map(|(i, request)| Row::new(i, request))
         .collect();
+    // Grammars' first forced tokens, before the prefill.
+    let started = Instant::now();
+    rows.par_iter_mut()
+        .try_for_each(|r| r.start_constraint(context))?;
+    stats.mask_ms += ms(started);
     // Group rows by adapter (stable: ties keep request order).
-    let mut order: Vec<usize> = (0..requests.len()).collect();
-    order.sort_by_key(|&i| requests[i].adapter);
-    let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
-    let mut active: Vec<Active> = order
-        .iter()
-        .map(|&i| Active {
-            request: i,
-            pad: longest - requests[i].prompt.len(),
-        })
-        .filter(|a| requests[a.request].max_new_tokens > 0)
-        .collect();
-    if active.is_empty() {
-        return Ok(out);
+    rows.sort_by_key(|r| (r.request.adapter, r.index));
+    let mut finished: Vec<Row> = Vec::new();
+    let (mut active, done): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| !r.done);
+    finished.extend(done);
+    let longest = active.iter().map(|r| r.feed.len()).max().unwrap_or(0);
+    for r in &mut active {
+        r.pad = longest - r.feed.len();
     }
     let device = model.device().clone();
     let mut cache = KvCache::new(model.config.num_layers);
-    let mut step_tokens: Vec<u32> = Vec::with_capacity(active.len() * longest);
-    for a in &active {
-        step_tokens.extend(std::iter::repeat_n(0, a.pad));
-        step_tokens.extend(&requests[a.request].prompt);
-    }
-    let mut width = longest;
-    let hook_for = |active: &[Active], requests: &[GenRequest]| {
-        let rows: Vec<_> = active.iter().map(|a| requests[a.request].adapter).collect();
-        RowAdapters::new(adapters, &rows).map(|hook| hook.detached())
+    let hook_for = |active: &[Row]| {
+        let ids: Vec<_> = active.iter().map(|r| r.request.adapter).collect();
+        RowAdapters::new(adapters, &ids).map(|hook| hook.detached())
     };
-    let mut hook = hook_for(&active, &requests)?;
-    loop {
-        let rows = active.len();
-        let tokens = Tensor::from_vec(step_tokens, (rows, width), &device)?;
-        let pads: Vec<usize> = active.iter().map(|a| a.pad).collect();
+    let mut hook = hook_for(&active)?;
+    let mut first = true;
+    while !active.is_empty() {
+        // The prefill takes every row's whole feed (left-padded); later passes
+        // the longest run that every row has waiting.
+        let width = if first {
+            longest
+        } else {
+            active.iter().map(|r| r.feed.len()).min().unwrap_or(1)
+        };
+        let mut step_tokens = Vec::with_capacity(active.len() * width);
+        for r in &mut active {
+            let take = if first { r.feed.len() } else { width };
+            step_tokens.extend(std::iter::repeat_n(0, width - take));
+            step_tokens.extend(r.feed.drain(..take));
+        }
+        let started = Instant::now();
+        let tokens = Tensor::from_vec(step_tokens, (active.len(), width), &device)?;
+        let pads: Vec<usize> = active.iter().map(|r| r.pad).collect();
         let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
         let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
         let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
-        let picked = pick_tokens(&active, &mut requests, &logits)?;
+        stats.passes += 1;
+        stats.model_ms += ms(started);
+        first = false;
 
-        let mut keep = Vec::with_capacity(rows);
-        let mut next = Vec::with_capacity(rows);
-        for (slot, (a, (token, logprob))) in active.iter().zip(picked).enumerate() {
-            let req = &requests[a.request];
-            let gen = &mut out[a.request];
-            gen.tokens.push(token);
-            gen.logprobs.push(logprob);
-            let used = req.prompt.len() + gen.tokens.len();
-            gen.stop = if req.stop.contains(&token) {
-                StopReason::StopToken
-            } else if gen.tokens.len() >= req.max_new_tokens {
-                StopReason::MaxTokens
-            } else if a.pad + used >= context {
-                StopReason::ContextFull
-            } else {
-                keep.push(slot as u32);
-                next.push(token);
-                continue;
-            };
-        }
-        if keep.is_empty() {
-            return Ok(out);
-        }
-        if keep.len() < rows {
+        let started = Instant::now();
+        let mask_ms: f64 = active
+            .par_iter_mut()
+            .zip(logits)
+            .filter(|(r, _)| r.feed.is_empty())
+            .map(|(r, logits)| r.pick(logits, context))
+            .try_reduce(|| 0.0, |a, b| Ok(a + b))?;
+        stats.pick_ms += ms(started);
+        // Rows decide in parallel: their summed mask time over the threads
+        // that ran them is the mask work's share of this wall time.
+        stats.mask_ms += mask_ms / rayon::current_num_threads() as f64;
+
+        if active.iter().any(|r| r.done) {
+            let keep: Vec<u32> = (0..active.len() as u32)
+                .filter(|&i| !active[i as usize].done)
+                .collect();
+            let (live, done): (Vec<Row>, Vec<Row>) = active.into_iter().partition(|r| !r.done);
+            finished.extend(done);
+            active = live;
+            if active.is_empty() {
+                break;
+            }
             cache.select_rows(&Tensor::new(keep.as_slice(), &device)?)?;
-            let mut slot = 0u32;
-            active.retain(|_| {
-                let kept = keep.contains(&slot);
-                slot += 1;
-                kept
-            });
-            hook = hook_for(&active, &requests)?;
+            hook = hook_for(&active)?;
         }
-        step_tokens = next;
-        width = 1;
+    }
+    let mut out: Vec<Option<Generation>> = (0..count).map(|_| None).collect();
+    for r in finished {
+        let i = r.index;
+        stats.forced_tokens += r.out.picks.iter().filter(|p| **p == Pick::Forced).count();
+        stats.sampled_tokens += r.out.picks.iter().filter(|p| **p != Pick::Forced).count();
+        out[i] = Some(r.out);
+    }
+    let out = out
+        .into_iter()
+        .map(|g| g.expect("every row finishes"))
+        .collect();
+    Ok((out, stats))
+}
+
+fn check_request(row: usize, r: &GenRequest, model: &Llama) -> Result<()> {
+    let context = model.config.max_position_embeddings;
+    if r.prompt.is_empty() {
+        return Err(Error::BadRow {
+            row,
+            reason: "empty prompt".into(),
+        });
+    }
+    if r.prompt.len() >= context {
+        return Err(crate::base::Error::TooLong {
+            tokens: r.prompt.len(),
+            context,
+        }
+        .into());
+    }
+    if let Some(&t) = r
+        .prompt
+        .iter()
+        .find(|&&t| t as usize >= model.config.vocab_size)
+    {
+        return Err(Error::BadRow {
+            row,
+            reason: format!("token id {t} outside the vocabulary"),
+        });
+    }
+    if let Some(g) = &r.grammar {
+        if g.size() != model.config.vocab_size {
+            return Err(Error::BadRow {
+                row,
+                reason: format!(
+                    "the grammar was compiled for {} logits, the model has {}",
+                    g.size(),
+                    model.config.vocab_size
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Row {
+    fn new(index: usize, request: GenRequest) -> Row {
+        Row {
+            index,
+            feed: request.prompt.clone(),
+            pad: 0,
+            constraint: request.grammar.as_ref().map(|g| g.start()),
+            mask: None,
+            out: Generation {
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                picks: Vec::new(),
+                stop: StopReason::MaxTokens,
+            },
+            done: request.max_new_tokens == 0,
+            request,
+        }
+    }
+
+    /// The grammar's first forced tokens (they join the prompt in the
+    /// prefill) and the first mask.
+    fn start_constraint(&mut self, context: usize) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
+        self.advance(context)
+    }
+
+    /// Sample the next token from this pass's last logits (masked for a
+    /// constrained row), then take what the grammar forces after it.
+    /// Returns the milliseconds spent on the grammar.
+    fn pick(&mut self, mut logits: Vec<f32>, context: usize) -> Result<f64> {
+        let pick = match self.mask.take() {
+            Some(mask) => {
+                mask.apply(&mut logits, f32::NEG_INFINITY);
+                Pick::Masked(mask)
+            }
+            None => Pick::Free,
+        };
+        let sampling = self.request.sampling;
+        let token = sample_token(&logits, sampling, &mut self.request.rng);
+        let temperature = sampling.policy_temperature();
+        if temperature != 1.0 {
+            // As the train step scales them (`kernels::Policy`).
+            let inv = (1.0 / temperature as f64) as f32;
+            logits.iter_mut().for_each(|l| *l *= inv);
+        }
+        let logprob = kernels::log_softmax_at(&logits, token as usize);
+        self.push(token, logprob, pick, context);
+        if self.done {
+            return Ok(0.0);
+        }
+        self.feed.push(token);
+        let started = Instant::now();
+        if let Some(constraint) = &mut self.constraint {
+            let committed = constraint.commit(token);
+            committed.map_err(|e| grammar_error(self.index, e))?;
+            self.advance(context)?;
+        }
+        Ok(ms(started))
+    }
+
+    /// Append the grammar's forced tokens and keep the mask that follows.
+    fn advance(&mut self, context: usize) -> Result<()> {
+        let Some(constraint) = &mut self.constraint else {
+            return Ok(());
+        };
+        let step = constraint
+            .advance()
+            .map_err(|e| grammar_error(self.index, e))?;
+        for token in step.forced {
+            self.push(token, 0.0, Pick::Forced, context);
+            if self.done {
+                return Ok(());
+            }
+            self.feed.push(token);
+        }
+        match step.next {
+            Next::Sample(mask) => self.mask = Some(mask),
+            Next::Finished => {
+                self.out.stop = StopReason::StopToken;
+                self.done = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Record a token and whether the row ends with it.
+    fn push(&mut self, token: u32, logprob: f32, pick: Pick, context: usize) {
+        let r = &self.request;
+        self.out.tokens.push(token);
+        self.out.logprobs.push(logprob);
+        self.out.picks.push(pick);
+        let used = r.prompt.len() + self.out.tokens.len();
+        let stop = if r.stop.contains(&token) {
+            Some(StopReason::StopToken)
+        } else if self.out.tokens.len() >= r.max_new_tokens {
+            Some(StopReason::MaxTokens)
+        } else if self.pad + used >= context {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        };
+        if let Some(stop) = stop {
+            self.out.stop = stop;
+            self.done = true;
+        }
     }
 }
 
-/// Each active row's next token and its log-probability, rows in parallel
-/// (each samples from its own stream, so the order of work does not matter).
-fn pick_tokens(
-    active: &[Active],
-    requests: &mut [GenRequest],
-    logits: &[Vec<f32>],
-) -> Result<Vec<(u32, f32)>> {
-    let mut by_request: Vec<Option<&mut GenRequest>> = requests.iter_mut().map(Some).collect();
-    let rows: Option<Vec<&mut GenRequest>> = active
-        .iter()
-        .map(|a| by_request.get_mut(a.request)?.take())
-        .collect();
-    let rows = rows
-        .filter(|rows| rows.len() == logits.len())
-        .ok_or(Error::BadRow {
-            row: 0,
-            reason: "decoding rows do not match their requests one to one".into(),
-        })?;
-    Ok(rows
-        .into_par_iter()
-        .zip(logits)
-        .map(|(req, row_logits)| {
-            let token = sample_token(row_logits, req.sampling, &mut req.rng);
-            (token, kernels::log_softmax_at(row_logits, token as usize))
-        })
-        .collect())
+fn grammar_error(row: usize, e: crate::grammar::Error) -> Error {
+    Error::BadRow {
+        row,
+        reason: e.to_string(),
+    }
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
 }
 
 /// Pick a token: greedy (lowest index among ties) or sampled with temperature

@@ -11,7 +11,10 @@ mod row_adapters;
 mod tape;
 mod train;
 
-pub use generate::{generate, sample_token, GenRequest, Generation, Sampling, StopReason};
+pub use generate::{
+    generate, generate_with_stats, sample_token, DecodeStats, GenRequest, Generation, Pick,
+    Sampling, StopReason,
+};
 pub use row_adapters::{AdapterId, AdapterSet, RowAdapters};
 pub use train::{
     logprobs, train_step, ScoreRow, TrainConfig, TrainOutput, TrainRow, TrainStats, DEFAULT_CLIP,

@@ -35,7 +35,7 @@ use rayon::prelude::*;
 use super::row_adapters::{AdapterId, AdapterSet};
 use super::{Error, Result};
 use crate::base::gemm::{self, Threads};
-use crate::base::kernels::{self, Heads, Real};
+use crate::base::kernels::{self, Heads, Policy, Real};
 use crate::base::{BlockContext, Linear, Llama, Positions};
 use crate::lora::{Adapter, AdapterGrads, ModuleKey, Target};
 
@@ -294,12 +294,14 @@ const HEAD_CHUNK_ROWS: usize = 512;
 /// output `top` (`[rows·n, hidden]`), and the gradient at `top` of a loss
 /// whose derivative with respect to the `i`th log-prob is `dloss(i, logp)`:
 /// through the final norm and the LM head, each chunk of rows' logits used
-/// for both before the next is formed.
+/// for both before the next is formed. The `i`th log-prob is under
+/// `policies[i]`: its mask and temperature ([`kernels::Policy`]).
 pub fn head<T: Real>(
     model: &Llama,
     top: &Tensor,
     index: &Tensor,
     targets: &[u32],
+    policies: &[Policy],
     dloss: impl Fn(usize, f64) -> f64 + Sync,
 ) -> Result<(Vec<f64>, Tensor)> {
     let eps = model.config.rms_norm_eps;
@@ -319,6 +321,7 @@ pub fn head<T: Real>(
             &mut logits,
             vocab,
             &targets[start..start + len],
+            &policies[start..start + len],
             |i, lp| dloss(start + i, lp),
         )?;
         logps.extend(lp);

@@ -13,8 +13,9 @@ use candle_core::{DType, Device, Tensor};
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
 use super::tape::{self, SegmentLora};
 use super::{Error, Result};
-use crate::base::kernels::{with_real, Real};
+use crate::base::kernels::{with_real, Policy, Real};
 use crate::base::{Llama, Positions};
+use crate::grammar::TokenMask;
 use crate::lora::AdapterGrads;
 use crate::rl::ppo::token_loss_and_grad;
 
@@ -45,6 +46,13 @@ pub struct TrainRow {
     pub loss_mask: Vec<bool>,
     pub advantages: Vec<f32>,
     pub old_logprobs: Vec<f32>,
+    /// The tokens a grammar allowed at each position (`None`: the whole
+    /// vocabulary).
+    pub allowed: Vec<Option<TokenMask>>,
+    /// The temperature the tokens were sampled at (1 for greedy rows). The
+    /// policy trained is the one sampled from: the softmax of the logits
+    /// divided by it, renormalised over the allowed tokens.
+    pub temperature: f32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -217,19 +225,40 @@ pub fn logprobs(
     Ok(out)
 }
 
-fn check_train_row(i: usize, r: &TrainRow) -> Result<()> {
+fn check_train_row(i: usize, r: &TrainRow, vocab: usize) -> Result<()> {
     let n = r.tokens.len();
     let bad = |reason: String| Err(Error::BadRow { row: i, reason });
-    if r.loss_mask.len() != n || r.advantages.len() != n || r.old_logprobs.len() != n {
+    if r.loss_mask.len() != n
+        || r.advantages.len() != n
+        || r.old_logprobs.len() != n
+        || r.allowed.len() != n
+    {
         return bad(format!(
-            "{n} tokens but {} mask, {} advantages, {} old log-probs",
+            "{n} tokens but {} mask, {} advantages, {} old log-probs, {} allowed sets",
             r.loss_mask.len(),
             r.advantages.len(),
-            r.old_logprobs.len()
+            r.old_logprobs.len(),
+            r.allowed.len()
+        ));
+    }
+    if !(r.temperature.is_finite() && r.temperature > 0.0) {
+        return bad(format!("temperature {} is not positive", r.temperature));
+    }
+    if let Some(t) = (0..n).find(|&t| {
+        r.loss_mask[t]
+            && r.allowed[t]
+                .as_ref()
+                .is_some_and(|m| m.size() != vocab || !m.allows(r.tokens[t]))
+    }) {
+        return bad(format!(
+            "token {t} is trained under a mask that does not allow it or does not cover the {vocab} logits"
         ));
     }
     if r.loss_mask.first() == Some(&true) {
         return bad("loss_mask[0] is set, but the first token has no prefix".into());
+    }
+    if !(r.temperature.is_finite() && r.temperature > 0.0) {
+        return bad(format!("temperature {} is not positive", r.temperature));
     }
     if let Some(t) = (0..n).find(|&t| {
         r.loss_mask[t] && !(r.advantages[t].is_finite() && r.old_logprobs[t].is_finite())
@@ -250,7 +279,7 @@ pub fn train_step(
 ) -> Result<TrainOutput> {
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
-        check_train_row(i, r)?;
+        check_train_row(i, r, model.config.vocab_size)?;
     }
     let mut tokens_per_adapter: BTreeMap<AdapterId, usize> = BTreeMap::new();
     for r in rows {
@@ -280,6 +309,8 @@ pub fn train_step(
                 targets.old_logprobs.push(r.old_logprobs[t]);
                 targets.weights.push(1.0 / n);
                 targets.owners.push(r.adapter);
+                targets.allowed.push(r.allowed[t].clone());
+                targets.inv_temperature.push(1.0 / r.temperature as f64);
             }
         }
         if targets.owners.is_empty() {
@@ -307,6 +338,9 @@ struct PpoTargets {
     /// 1 / (scored tokens of the owner's adapter in the whole step): token-mean loss.
     weights: Vec<f32>,
     owners: Vec<AdapterId>,
+    /// The grammar's allowed tokens, where there was one.
+    allowed: Vec<Option<TokenMask>>,
+    inv_temperature: Vec<f64>,
 }
 
 /// Forward and backward of one micro-batch ([`tape`]). Adds the factor
@@ -324,15 +358,31 @@ fn micro_batch_step<T: Real>(
     let lora = SegmentLora::new(adapters, &layout.adapters, width)?;
     let embeds = model.embed(&layout.tokens)?;
     let (tape, top) = tape::forward::<T>(model, &lora, &embeds, &layout.at)?;
-    let (logps, top_grad) =
-        tape::head::<T>(model, &top, &layout.index, &layout.targets, |i, lp| {
-            targets.weights[i] as f64 * targets.token(i, lp, clip).1
-        })?;
+    let (logps, top_grad) = tape::head::<T>(
+        model,
+        &top,
+        &layout.index,
+        &layout.targets,
+        &targets.policies(),
+        |i, lp| targets.weights[i] as f64 * targets.token(i, lp, clip).1,
+    )?;
     tape::backward::<T>(model, &lora, tape, top_grad, grads)?;
     Ok(logps)
 }
 
 impl PpoTargets {
+    /// Each scored token's sampling distribution.
+    fn policies(&self) -> Vec<Policy<'_>> {
+        self.allowed
+            .iter()
+            .zip(&self.inv_temperature)
+            .map(|(mask, &inv_temperature)| Policy {
+                mask: mask.as_ref().map(TokenMask::words),
+                inv_temperature,
+            })
+            .collect()
+    }
+
     /// Scored token `i`'s PPO-clip loss term and its derivative with respect
     /// to its log-probability `logp` (see [`crate::rl::ppo`]).
     fn token(&self, i: usize, logp: f64, clip: f64) -> (f64, f64) {

@@ -272,9 +272,14 @@ pub struct SelfPlayConfig {
     pub temperature: f64,
     /// Nucleus sampling mass, 0 < p <= 1. Default: 1.0.
     pub top_p: f64,
-    /// Write the start of every reply for the model (`<answer>` and the block
-    /// opener for solvers, "```python\ndef f(" for proposers), so a small model
-    /// meets the format. Not AZR; off reproduces AZR's prompts. Default: false.
+    /// Decode every reply under the grammar of its task kind and role
+    /// (structured decoding, `src/task/grammar.rs`): every reply parses and
+    /// closes within max_new_tokens, and PPO trains the masked policy. Off:
+    /// free decoding, as AZR. Default: true.
+    pub constrained: bool,
+    /// Free decoding only (`constrained = false`): write the start of every
+    /// reply for the model (`<answer>` and the block opener for solvers,
+    /// "```python\ndef f(" for proposers). Not AZR. Default: false.
     pub prefill_answer: bool,
     /// Inputs an induction proposer writes, >= 2. Default: 10.
     pub induction_inputs: usize,
@@ -294,6 +299,7 @@ impl Default for SelfPlayConfig {
             max_new_tokens: 256,
             temperature: 1.0,
             top_p: 1.0,
+            constrained: true,
             prefill_answer: false,
             induction_inputs: 10,
             induction_shown: 5,

@@ -3,8 +3,10 @@
 use super::source_map::SourceMap;
 use super::{
     parse_member_id, ErrorKind, EventAction, Mode, ModelSource, Scenario, ScenarioError,
-    WeightedOperator,
+    SelfPlayConfig, WeightedOperator,
 };
+use crate::task::grammar::{reply_grammar, ReplyShape};
+use crate::task::Role;
 use std::collections::BTreeSet;
 use std::fmt::Display;
 
@@ -472,6 +474,15 @@ fn selfplay(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
             inputs - 1
         ),
     )?;
+    if sp.constrained {
+        v.range(
+            !sp.prefill_answer,
+            "selfplay.prefill_answer",
+            sp.prefill_answer,
+            "false while selfplay.constrained = true: the grammar writes every reply's fixed text",
+        )?;
+        reply_budget(v, sp)?;
+    }
     if let (ModelSource::Tiny, Some(tiny)) = (&s.model.source, &s.model.tiny) {
         let needed = prompt + new;
         v.range(
@@ -482,6 +493,25 @@ fn selfplay(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
                 "{needed}..: room for selfplay.max_prompt_tokens + selfplay.max_new_tokens = {prompt} + {new}"
             ),
         )?;
+    }
+    Ok(())
+}
+
+/// With structured decoding, every reply's grammar must close within
+/// `max_new_tokens` (the grammar of each task kind and role says how much it needs).
+fn reply_budget(v: &Validator, sp: &SelfPlayConfig) -> Result<(), ScenarioError> {
+    let shape = ReplyShape {
+        max_new_tokens: sp.max_new_tokens,
+        arity: None,
+        inputs: sp.induction_inputs,
+    };
+    for &kind in &sp.task_kinds {
+        for role in Role::ALL {
+            if let Err(why) = reply_grammar(kind, role, &shape) {
+                let key = "selfplay.max_new_tokens";
+                return Err(v.fail(key, format!("selfplay.{why} (selfplay.constrained = true)")));
+            }
+        }
     }
     Ok(())
 }

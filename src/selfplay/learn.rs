@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use super::{MemberId, ProposalResult, Result, SolveResult, Verdict};
 use super::{Problem, Settings};
-use crate::compute::TrainRow;
+use crate::compute::{Pick, TrainRow};
 use crate::lora::{clip_grad_norm, AdamW, Adapter, AdapterGrads, StepReport};
 use crate::rl::advantage::{group_stats, GroupStats};
 use crate::rl::{proposer_reward, solver_reward, trr_plus_plus, ProposerOutcome, Rollout};
@@ -27,7 +27,17 @@ pub struct Episode {
     pub response: Vec<u32>,
     /// log π(response token) at sampling time: PPO's old log-probs.
     pub logprobs: Vec<f32>,
+    /// How each response token was chosen: forced tokens are not trained,
+    /// masked ones are trained under their mask.
+    pub picks: Vec<Pick>,
     pub reward: f64,
+}
+
+impl Episode {
+    /// Response tokens the policy chose (the ones PPO trains).
+    pub fn chosen_tokens(&self) -> usize {
+        self.picks.iter().filter(|p| **p != Pick::Forced).count()
+    }
 }
 
 /// Proposer episodes (in proposal order), then solver episodes (in solve order).
@@ -58,6 +68,7 @@ pub fn episodes(
             prompt: p.job.tokens.clone(),
             response: p.generation.tokens.clone(),
             logprobs: p.generation.logprobs.clone(),
+            picks: p.generation.picks.clone(),
             reward: proposer_reward(&outcome, &settings.rewards),
         }
     });
@@ -70,6 +81,7 @@ pub fn episodes(
             prompt: problem.tokens.clone(),
             response: s.generation.tokens.clone(),
             logprobs: s.generation.logprobs.clone(),
+            picks: s.generation.picks.clone(),
             reward: solver_reward(s.outcome, &settings.rewards),
         }
     });
@@ -84,8 +96,9 @@ pub struct TrainBatch {
     pub groups: Vec<GroupStats>,
 }
 
-/// TRR++ over all `episodes`, then one train row per non-empty response:
-/// prompt and response tokens, the loss on response tokens only.
+/// TRR++ over all `episodes`, then one train row per response with a chosen
+/// token: prompt and response tokens, the loss on the response tokens the
+/// policy chose (not those the grammar forced), each under its mask.
 pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatch> {
     let rollouts: Vec<Rollout> = episodes
         .iter()
@@ -93,7 +106,7 @@ pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatc
             kind: e.kind,
             role: e.role,
             reward: e.reward,
-            tokens: e.response.len(),
+            tokens: e.chosen_tokens(),
         })
         .collect();
     let advantages = trr_plus_plus(&rollouts, &settings.advantage)?;
@@ -101,19 +114,25 @@ pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatc
     let rows = episodes
         .iter()
         .zip(&advantages)
-        .filter(|(e, _)| !e.response.is_empty())
+        .filter(|(e, _)| e.chosen_tokens() > 0)
         .map(|(e, &advantage)| {
             let (p, r) = (e.prompt.len(), e.response.len());
             TrainRow {
                 adapter: e.member,
                 tokens: [e.prompt.as_slice(), e.response.as_slice()].concat(),
-                loss_mask: (0..p + r).map(|t| t >= p).collect(),
+                loss_mask: std::iter::repeat_n(false, p)
+                    .chain(e.picks.iter().map(|pick| *pick != Pick::Forced))
+                    .collect(),
                 advantages: (0..p + r)
                     .map(|t| if t >= p { advantage as f32 } else { 0.0 })
                     .collect(),
                 old_logprobs: std::iter::repeat_n(0.0, p)
                     .chain(e.logprobs.iter().copied())
                     .collect(),
+                allowed: std::iter::repeat_n(None, p)
+                    .chain(e.picks.iter().map(Pick::mask))
+                    .collect(),
+                temperature: settings.sampling.policy_temperature(),
             }
         })
         .collect();

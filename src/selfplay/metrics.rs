@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Episode, MemberId, ProposalResult, Settings, SolveResult, TrainBatch, Verdict};
+use super::{
+    Episode, MemberId, Problem, ProposalResult, Settings, SolveResult, TrainBatch, Verdict,
+};
 use crate::rl::reward::solve_rate;
 use crate::task::{Role, TaskKind};
 
@@ -22,6 +24,10 @@ pub struct GroupMetrics {
 pub struct ProposalCounts {
     pub total: usize,
     pub valid: usize,
+    /// Valid proposals that their solvers solved in some rollouts but not in
+    /// all (0 < acc < 1): the problems a proposer is rewarded for.
+    #[serde(default)]
+    pub learnable: usize,
     /// Rejections by reason: `format.<code>` or the sandbox status name.
     pub rejected: BTreeMap<String, usize>,
 }
@@ -73,8 +79,8 @@ impl StepMetrics {
         step: u64,
         settings: &Settings,
         proposals: &[ProposalResult],
+        problems: &[Problem],
         solves: &[SolveResult],
-        solve_kinds: &[TaskKind],
         episodes: &[Episode],
         batch: &TrainBatch,
     ) -> StepMetrics {
@@ -102,12 +108,17 @@ impl StepMetrics {
                 (_, None) => {}
             }
         }
+        counts.learnable = learnable(problems, solves);
+        let solve_kinds: Vec<TaskKind> = solves
+            .iter()
+            .map(|s| problems[s.job.problem].task.kind())
+            .collect();
         let mut solve_rate_by_kind = BTreeMap::new();
         let mut format_by_kind = BTreeMap::new();
         for &kind in &settings.task_kinds {
             let outcomes: Vec<_> = solves
                 .iter()
-                .zip(solve_kinds)
+                .zip(&solve_kinds)
                 .filter(|(_, &k)| k == kind)
                 .map(|(s, _)| s.outcome)
                 .collect();
@@ -143,6 +154,20 @@ impl StepMetrics {
             ..Default::default()
         }
     }
+}
+
+/// Proposed problems solved in some of their rollouts but not in all.
+fn learnable(problems: &[Problem], solves: &[SolveResult]) -> usize {
+    let mut outcomes: BTreeMap<usize, Vec<crate::rl::SolverOutcome>> = BTreeMap::new();
+    for s in solves {
+        if problems[s.job.problem].proposal.is_some() {
+            outcomes.entry(s.job.problem).or_default().push(s.outcome);
+        }
+    }
+    outcomes
+        .values()
+        .filter(|o| solve_rate(o).is_some_and(|acc| acc > 0.0 && acc < 1.0))
+        .count()
 }
 
 fn token_metrics(settings: &Settings, episodes: &[Episode]) -> TokenMetrics {

@@ -14,12 +14,14 @@
 //! population's cross-evaluation and the single-agent baseline (one member in
 //! both roles) are the same step with different rosters.
 
+mod grammars;
 mod learn;
 mod metrics;
 mod propose;
 mod solve;
 mod step;
 
+pub use grammars::{GrammarError, Grammars};
 pub use learn::{apply_update, episodes, train_rows, Episode, TrainBatch};
 pub use metrics::{GroupMetrics, ProgramMetrics, ProposalCounts, StepMetrics, TokenMetrics};
 pub use propose::{
@@ -53,8 +55,11 @@ pub struct Settings {
     pub max_new_tokens: usize,
     /// Sampling of every response (default temperature 1, top-p 1).
     pub sampling: Sampling,
-    /// Write the start of every reply for the model
-    /// ([`crate::task::templates::response_prefix`]; default false, as AZR).
+    /// Decode every reply under its grammar ([`crate::task::grammar`];
+    /// default true): every reply parses, and PPO trains the masked policy.
+    pub constrained: bool,
+    /// Unconstrained decoding only: write the start of every reply for the
+    /// model ([`crate::task::templates::response_prefix`]; default false, as AZR).
     pub prefill: bool,
     pub rewards: RewardConfig,
     pub advantage: AdvantageConfig,
@@ -73,6 +78,7 @@ impl Default for Settings {
             solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
             max_new_tokens: 256,
             sampling: Sampling::default(),
+            constrained: true,
             prefill: false,
             rewards: RewardConfig::default(),
             advantage: AdvantageConfig::default(),
@@ -127,6 +133,8 @@ pub struct StepContext<'a> {
     pub step: u64,
     pub settings: &'a Settings,
     pub tokenizer: &'a Tokenizer,
+    /// The reply grammars ([`Grammars::off`] when decoding is free).
+    pub grammars: &'a Grammars,
 }
 
 impl StepContext<'_> {
@@ -146,7 +154,7 @@ impl StepContext<'_> {
 
     /// What the model is given of its reply for (kind, role): see [`Settings::prefill`].
     pub fn prefix(&self, kind: TaskKind, role: crate::task::Role) -> &'static str {
-        if self.settings.prefill {
+        if self.settings.prefill && !self.settings.constrained {
             crate::task::templates::response_prefix(kind, role)
         } else {
             ""
@@ -204,6 +212,8 @@ pub enum Error {
         expected: usize,
         got: usize,
     },
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
     #[error("member {0} takes part in the step but has no adapter")]
     UnknownMember(MemberId),
 }

@@ -6,9 +6,10 @@ use serde::Serialize;
 use super::{check_len, MemberId, Result, Roster, StepContext};
 use crate::compute::{GenRequest, Generation};
 use crate::keyed_stream;
+use crate::task::grammar::arity;
 use crate::task::{
     parse_induction_proposal, parse_proposal, proposer_prompt, FormatError, InductionTask, IoPair,
-    ProposerPrompt, TaskBuffers, TaskKind, Triplet,
+    ProposerPrompt, Role, TaskBuffers, TaskKind, Triplet,
 };
 use crate::verify::{Features, Job, Outcome, Status, VerifierPool};
 
@@ -43,6 +44,11 @@ impl ProposalJob {
                 ctx.step,
                 self.kind.name(),
                 self.index
+            ),
+            grammar: ctx.grammars.get(
+                self.kind,
+                Role::Proposer,
+                self.prompt.program.as_deref().and_then(arity),
             ),
         }
     }

@@ -8,8 +8,9 @@ use crate::compute::{GenRequest, Generation};
 use crate::keyed_stream;
 use crate::rl::SolverOutcome;
 use crate::task::buffer::solver_task_from_induction;
+use crate::task::grammar::arity;
 use crate::task::{
-    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError, SolverTask, TaskBuffers,
+    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError, Role, SolverTask, TaskBuffers,
 };
 use crate::verify::{Job, Outcome, Status, VerifierPool};
 
@@ -41,6 +42,11 @@ pub struct SolveJob {
 impl SolveJob {
     pub fn request(&self, ctx: &StepContext, problems: &[Problem]) -> GenRequest {
         let s = ctx.settings;
+        let task = &problems[self.problem].task;
+        let arity = match task {
+            SolverTask::Abduction(t) => arity(&t.program),
+            _ => None,
+        };
         GenRequest {
             adapter: Some(self.solver),
             prompt: problems[self.problem].tokens.clone(),
@@ -55,6 +61,7 @@ impl SolveJob {
                 self.problem,
                 self.sample
             ),
+            grammar: ctx.grammars.get(task.kind(), Role::Solver, arity),
         }
     }
 }

@@ -100,16 +100,12 @@ pub fn run_step(
         Ok(())
     })?;
 
-    let solve_kinds: Vec<_> = solves
-        .iter()
-        .map(|s| problems[s.job.problem].task.kind())
-        .collect();
     let mut metrics = StepMetrics::measure(
         ctx.step,
         ctx.settings,
         &proposals,
+        &problems,
         &solves,
-        &solve_kinds,
         &episodes,
         &batch,
     );

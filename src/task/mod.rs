@@ -8,11 +8,13 @@
 //! | file | owns |
 //! |---|---|
 //! | [`templates`] | every prompt text, in one place |
+//! | [`grammar`] | the grammar of every reply (structured decoding), its token budget |
 //! | [`prompt`] | [`ChatPrompt`], the proposer and solver prompt builders, token budget |
 //! | [`parse`] | proposal and answer parsers, [`FormatError`] |
 //! | [`buffer`] | [`TaskBuffers`]: seeded, append-only, deterministic sampling |
 
 pub mod buffer;
+pub mod grammar;
 pub mod parse;
 pub mod prompt;
 pub mod templates;

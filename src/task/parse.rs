@@ -22,9 +22,10 @@
 //!   block (`py` also accepted) and the first ```` ```input ```` block;
 //!   induction takes the last `n` ```` ```input ```` blocks and the first
 //!   ```` ```message ```` block (or `<message>...</message>`).
-//! - Programs must define exactly one function (any line starting, after
-//!   indentation, with `def NAME(`). A function not named `f` is renamed to `f`,
-//!   with every call `NAME(` (as AZR does).
+//! - Programs must define exactly one function at their outermost level (a
+//!   line starting with `def NAME(` at the least indentation of any such
+//!   line; functions nested in it are its own business). A function not named
+//!   `f` is renamed to `f`, with every call `NAME(` (as AZR does).
 
 use serde::{Deserialize, Serialize};
 
@@ -271,9 +272,18 @@ fn tagged<'a>(text: &'a str, open: &str, close: &str) -> Option<&'a str> {
     Some(&text[start..start + end])
 }
 
-/// Checks that `code` defines exactly one function and names it `f`.
+/// Checks that `code` defines exactly one outermost function and names it `f`.
 fn normalize_program(code: &str) -> Result<String, FormatError> {
-    let names: Vec<&str> = code.lines().filter_map(defined_function).collect();
+    let defs: Vec<(usize, &str)> = code
+        .lines()
+        .filter_map(|l| Some((l.len() - l.trim_start().len(), defined_function(l)?)))
+        .collect();
+    let outermost = defs.iter().map(|&(indent, _)| indent).min();
+    let names: Vec<&str> = defs
+        .iter()
+        .filter(|&&(indent, _)| Some(indent) == outermost)
+        .map(|&(_, name)| name)
+        .collect();
     match names.as_slice() {
         [] => Err(FormatError::NoFunction),
         ["f"] => Ok(code.to_string()),

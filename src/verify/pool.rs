@@ -190,20 +190,20 @@ impl VerifierPool {
             .map(|(job, rejected)| rejected.is_none().then_some(job))
             .collect();
         let first: Vec<Option<Request>> = live.iter().map(|job| first_check((*job)?)).collect();
-        let mut checked = self.checks(&first);
+        let mut checked = self.dispatch(Role::Checker, &first, CHECKS_PER_MESSAGE);
         let runs: Vec<Option<Request>> = live
             .iter()
             .zip(&checked)
             .map(|(job, checked)| run_request((*job)?, checked))
             .collect();
-        let mut ran = self.each(Role::Zygote, &runs);
+        let mut ran = self.dispatch(Role::Zygote, &runs, 1);
         drop(runs);
         let last: Vec<Option<Request>> = live
             .iter()
             .zip(&ran)
             .map(|(job, ran)| compare_request((*job)?, ran))
             .collect();
-        let mut compared = self.checks(&last);
+        let mut compared = self.dispatch(Role::Checker, &last, CHECKS_PER_MESSAGE);
         drop(last);
         jobs.iter()
             .zip(rejected)
@@ -222,8 +222,9 @@ impl VerifierPool {
             .collect()
     }
 
-    /// Checker requests, many per message; a slot without a request stays empty.
-    fn checks(&self, requests: &[Option<Request>]) -> Vec<Slot> {
+    /// Requests to servers of `role`, up to `per_message` of them in one
+    /// message (a `Many`: checkers only); a slot without a request stays empty.
+    fn dispatch(&self, role: Role, requests: &[Option<Request>], per_message: usize) -> Vec<Slot> {
         let work: Vec<(usize, &Request)> = requests
             .iter()
             .enumerate()
@@ -232,9 +233,9 @@ impl VerifierPool {
         let size = work
             .len()
             .div_ceil(self.config.workers)
-            .clamp(1, CHECKS_PER_MESSAGE);
+            .clamp(1, per_message);
         let chunks: Vec<&[(usize, &Request)]> = work.chunks(size).collect();
-        let replies = self.parallel(&chunks, |chunk| self.check_chunk(chunk));
+        let replies = self.parallel(&chunks, |chunk| self.send(role, chunk));
         let mut slots: Vec<Slot> = requests.iter().map(|_| None).collect();
         for (chunk, replies) in chunks.iter().zip(replies) {
             let replies =
@@ -246,47 +247,31 @@ impl VerifierPool {
         slots
     }
 
-    /// One message for a chunk of checker requests. When it fails as a whole (an
+    /// One message for a chunk of requests. When a `Many` fails as a whole (an
     /// input too slow to parse, a checker that died), each request again on its
     /// own, so that only the one at fault gets that verdict.
-    fn check_chunk(&self, chunk: &[(usize, &Request)]) -> Vec<Result<Reply, Error>> {
+    fn send(&self, role: Role, chunk: &[(usize, &Request)]) -> Vec<Result<Reply, Error>> {
         if let [(_, one)] = chunk {
-            return vec![self.call(Role::Checker, one)];
+            return vec![self.call(role, one)];
         }
         let many = Request::Many {
             jobs: chunk.iter().map(|(_, request)| *request).collect(),
         };
         // When the message fails as a whole, the requests one by one find out
         // which of them it was: one try each, as the message was their first.
-        match self.call_once(Role::Checker, &many) {
+        match self.call_once(role, &many) {
             Ok(Ok(reply)) if reply.status == Status::Ok && reply.replies.len() == chunk.len() => {
                 reply.replies.into_iter().map(Ok).collect()
             }
             Err(start) => {
-                let why = format!("no checker could be started ({start})");
+                let why = format!("no server could be started ({start})");
                 chunk.iter().map(|_| Err(Error::Job(why.clone()))).collect()
             }
             _ => chunk
                 .iter()
-                .map(|(_, request)| self.call_with(Role::Checker, request, 1))
+                .map(|(_, request)| self.call_with(role, request, 1))
                 .collect(),
         }
-    }
-
-    /// Requests to servers of `role`, one per message; a slot without a
-    /// request stays empty.
-    fn each(&self, role: Role, requests: &[Option<Request>]) -> Vec<Slot> {
-        let work: Vec<(usize, &Request)> = requests
-            .iter()
-            .enumerate()
-            .filter_map(|(i, request)| Some((i, request.as_ref()?)))
-            .collect();
-        let replies = self.parallel(&work, |(_, request)| self.call(role, request));
-        let mut slots: Vec<Slot> = requests.iter().map(|_| None).collect();
-        for ((i, _), reply) in work.iter().zip(replies) {
-            slots[*i] = Some(reply.unwrap_or_else(|| Err(panicked())));
-        }
-        slots
     }
 
     /// `f` on every item, on as many threads as there are servers of a role;

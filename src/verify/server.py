@@ -82,6 +82,16 @@ BANNED_ATTRS = frozenset((
     "co_code", "func_globals", "mro",
 ))
 ALLOWED_DUNDERS = frozenset(("__init__", "__name__", "__doc__", "__len__"))
+# The import machinery: from any of these every module is one call away.
+IMPORT_MACHINERY = frozenset(("modules", "_gcd_import", "_bootstrap", "_bootstrap_external",
+                              "_imp", "_handle_fromlist", "import_module"))
+# Attribute names that reach a module a program may not import, however it got
+# to the object: the import machinery, and the names under which the
+# preloadable modules (and the modules they keep) hold a banned or private
+# module, such as typing's `sys` or enum's `bltns` (builtins). Filled in by
+# `learn_reaching_names` in the checker at start-up; a banned module's own
+# name (with or without leading underscores) is always one.
+REACHING_NAMES = set(IMPORT_MACHINERY)
 TOP_LEVEL_ALLOWED = (ast.FunctionDef, ast.Import, ast.ImportFrom, ast.Assign,
                      ast.AnnAssign, ast.ClassDef, ast.Expr, ast.Pass)
 
@@ -369,20 +379,20 @@ def check_top_level(tree):
 
 
 def check_node(node):
-    """AST filter for honest mistakes (the OS layers are the boundary): no
-    input(), no banned imports, names or attributes, no async code."""
+    """AST filter for honest mistakes and for the task policy (the OS layers
+    are the boundary): no input(), no banned imports, names or attributes, no
+    module reached through an attribute, no async code."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "input":
         raise Reject("uses_input", "calls input() (line %d)" % node.lineno)
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                raise Reject("banned_import", "relative import (line %d)" % node.lineno)
-            names = [node.module or ""]
-        else:
-            names = [a.name for a in node.names]
-        for name in names:
-            if name.split(".")[0] in BANNED_MODULES:
-                raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            check_module(alias.name, node)
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            raise Reject("banned_import", "relative import (line %d)" % node.lineno)
+        check_module(node.module or "", node)
+        for alias in node.names:
+            check_imported_name(alias.name, node)
     elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
         raise Reject("banned_name", "uses %s (line %d)" % (node.id, node.lineno))
     elif isinstance(node, ast.Attribute):
@@ -390,13 +400,93 @@ def check_node(node):
         dunder = attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS
         if dunder or attr in BANNED_ATTRS:
             raise Reject("banned_name", "uses attribute .%s (line %d)" % (attr, node.lineno))
+        if reaches_module(attr):
+            raise Reject("banned_import", "reaches a module through attribute .%s (line %d)"
+                         % (attr, node.lineno))
     elif isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith)):
         raise Reject("invalid_program", "async code (line %d)" % node.lineno)
 
 
+def check_module(name, node):
+    if name.split(".")[0] in BANNED_MODULES:
+        raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
+
+
+def check_imported_name(name, node):
+    """`from m import name`: not everything (the names it binds cannot be
+    checked), not a private name, not a module the program may not import."""
+    if name == "*":
+        raise Reject("banned_import", "star import (line %d)" % node.lineno)
+    if name.startswith("_") or reaches_module(name):
+        raise Reject("banned_import", "imports %s from %s (line %d)"
+                     % (name, node.module, node.lineno))
+
+
+def reaches_module(name):
+    return name in REACHING_NAMES or name.lstrip("_") in BANNED_MODULES
+
+
+def check_private_attributes(attributes, imported):
+    """No private attribute of an imported module (`re._compiler`,
+    `collections._sys`): an attribute starting with `_` on a name that an
+    import bound, directly or down a chain of attributes."""
+    for node in attributes:
+        root = node.value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in imported:
+            raise Reject("banned_name", "uses private attribute .%s of module %s (line %d)"
+                         % (node.attr, root.id, node.lineno))
+
+
+def bound_by_import(node):
+    """The names an import statement binds."""
+    if isinstance(node, ast.Import):
+        return [a.asname or a.name.split(".")[0] for a in node.names]
+    return [a.asname or a.name for a in node.names]
+
+
 def check_names(tree):
+    attributes, imported = [], set()
     for node in ast.walk(tree):
         check_node(node)
+        note_for_private_check(node, attributes, imported)
+    check_private_attributes(attributes, imported)
+
+
+def note_for_private_check(node, attributes, imported):
+    if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+        attributes.append(node)
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        imported.update(bound_by_import(node))
+
+
+def learn_reaching_names():
+    """Adds to REACHING_NAMES every attribute name under which a preloadable
+    module, or a permitted module it keeps, holds a module a program may not
+    import (banned, or private such as `_sre`): found in the modules
+    themselves, so an alias like enum's `bltns` is caught wherever it is used."""
+    for name in PRELOAD:
+        __import__(name)
+    todo = [sys.modules[name] for name in PRELOAD]
+    seen = set()
+    while todo:
+        module = todo.pop()
+        if module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, type(sys)):
+                continue
+            if forbidden_module(getattr(value, "__name__", "")):
+                REACHING_NAMES.add(attr)
+            else:
+                todo.append(value)
+
+
+def forbidden_module(name):
+    parts = name.split(".")
+    return parts[0].lstrip("_") in BANNED_MODULES or any(p.startswith("_") for p in parts)
 
 
 # Node types that may raise in check_node: every other node passes it.
@@ -413,6 +503,7 @@ def scan(tree):
     complexity features for the dynamics plots. One pass instead of ast.walk
     plus a second walk: this is a large share of a checker's work."""
     count, depth, kinds, decisions = 0, 0, set(), 0
+    attributes, imported = [], set()
     level = [tree]
     while level:
         depth += 1
@@ -423,6 +514,7 @@ def scan(tree):
             kinds.add(cls)
             if cls in CHECKED_TYPES:
                 check_node(node)
+                note_for_private_check(node, attributes, imported)
             if cls in DECISION_TYPES:
                 if cls is ast.comprehension:
                     decisions += 1 + len(node.ifs)
@@ -437,6 +529,7 @@ def scan(tree):
                 elif isinstance(value, ast.AST):
                     below.append(value)
         level = below
+    check_private_attributes(attributes, imported)
     return {"ast_nodes": count, "max_depth": depth, "node_types": len(kinds),
             "cyclomatic": 1 + decisions}
 
@@ -464,6 +557,7 @@ def prepare_call(text):
     if values is None:
         check_names(call)
     try:
+        # Literals too: compiling rejects what Python would (a repeated keyword).
         code = compile(ast.Expression(call), "<input>", "eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise Reject("bad_input", "input does not compile: %s" % describe(exc))
@@ -1131,6 +1225,7 @@ def main():
             __import__(name)
     else:
         status_fd = quiet_checker(proto_in, proto_out)
+        learn_reaching_names()
     try:
         st = isolate(cfg)
         if role == "checker":

@@ -73,7 +73,8 @@ pub(crate) struct Reply {
     pub equal: Vec<bool>,
     pub features: Option<Features>,
     pub function: Option<String>,
-    /// A prepared program: marshalled code (base64) and one call per input.
+    /// A prepared program and one call per input, each packed as server.py's
+    /// `prepare_code` and `prepare_call` describe.
     pub code: Option<String>,
     #[serde(default)]
     pub calls: Vec<String>,

@@ -78,6 +78,7 @@ fn decode(
             stop: vec![],
             sampling: Sampling::GREEDY,
             rng: keyed_stream!(0, "bench"),
+            grammar: None,
         })
         .collect();
     let start = Instant::now();
@@ -165,6 +166,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             loss_mask: (0..len).map(|t| t >= len - scored).collect(),
             advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
             old_logprobs: vec![-10.0; len],
+            allowed: vec![None; len],
+            temperature: 1.0,
         })
         .collect();
     // Best of `repeats`, as for decode and the GEMM reference: one sample

@@ -323,6 +323,7 @@ fn evaluate(
                 stop: tokenizer.stop_ids.clone(),
                 sampling,
                 rng: keyed_stream!(seed, "eval", bench.name.as_str(), m, i, s),
+                grammar: None,
             })
             .collect();
         let generations = generate(&engine.model, &set, requests)?;

@@ -1,13 +1,17 @@
 //! `populora generate`: continue a prompt; `populora bench generate`: decode speed.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 use populora::base::{self, BaseModel, Message};
-use populora::compute::{self, AdapterSet, GenRequest, Sampling};
+use populora::compute::{self, AdapterSet, DecodeStats, GenRequest, Sampling};
+use populora::grammar::{Grammar, Vocabulary};
 use populora::keyed_stream;
+use populora::task::grammar::{reply_grammar, ReplyShape};
+use populora::task::{Role, TaskKind};
 
 #[derive(Parser)]
 pub struct Args {
@@ -30,9 +34,22 @@ pub struct Args {
     pub seed: u64,
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
+    /// Decode under this Lark grammar (llguidance's dialect, as the reply
+    /// grammars in src/task/grammar.rs): only text it allows is generated.
+    #[arg(long, value_name = "FILE.lark")]
+    pub grammar: Option<PathBuf>,
     /// A GGUF file or HF model directory (default: SmolLM2-135M-Instruct, fetched on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
+}
+
+fn compile_grammar(base: &BaseModel, path: &Path) -> anyhow::Result<Grammar> {
+    let lark = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the grammar {}", path.display()))?;
+    let vocabulary = Vocabulary::new(&base.tokenizer, base.config().vocab_size)?;
+    vocabulary
+        .compile(&lark)
+        .with_context(|| format!("in {}", path.display()))
 }
 
 pub fn load_model(path: Option<&Path>) -> anyhow::Result<BaseModel> {
@@ -55,6 +72,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         _ => Sampling::GREEDY,
     };
+    let grammar = match &args.grammar {
+        Some(path) => Some(Arc::new(compile_grammar(&base, path)?)),
+        None => None,
+    };
     let request = GenRequest {
         adapter: None,
         prompt,
@@ -62,8 +83,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stop: tok.stop_ids.clone(),
         sampling,
         rng: keyed_stream!(args.seed, "generate"),
+        grammar,
     };
     let out = compute::generate(&base.model, &AdapterSet::new(), vec![request])?;
+    if out[0].stop == compute::StopReason::MaxTokens && args.grammar.is_some() {
+        eprintln!(
+            "note: the reply reached --max-new-tokens = {} before the grammar was complete",
+            args.max_new_tokens
+        );
+    }
     let mut tokens = out[0].tokens.clone();
     if tokens.last().is_some_and(|t| tok.stop_ids.contains(t)) {
         tokens.pop();
@@ -80,6 +108,9 @@ pub struct BenchArgs {
     /// New tokens per row.
     #[arg(long, default_value_t = 64)]
     pub tokens: usize,
+    /// Token budget of each reply in the constrained batch-32 run.
+    #[arg(long, default_value_t = 192)]
+    pub grammar_tokens: usize,
     #[arg(long)]
     pub model: Option<PathBuf>,
 }
@@ -97,21 +128,69 @@ fn bench_prompts(base: &BaseModel) -> anyhow::Result<Vec<Vec<u32>>> {
 }
 
 fn decode_tok_s(base: &BaseModel, prompts: &[Vec<u32>], tokens: usize) -> anyhow::Result<f64> {
+    Ok(decode(base, prompts, tokens, None, Sampling::GREEDY)?.0)
+}
+
+/// Tokens/s of one batch of `prompts`, and where its time went.
+fn decode(
+    base: &BaseModel,
+    prompts: &[Vec<u32>],
+    tokens: usize,
+    grammar: Option<&Arc<Grammar>>,
+    sampling: Sampling,
+) -> anyhow::Result<(f64, DecodeStats)> {
+    let stop = match grammar {
+        Some(_) => base.tokenizer.stop_ids.clone(),
+        None => Vec::new(),
+    };
     let requests = prompts
         .iter()
-        .map(|p| GenRequest {
+        .enumerate()
+        .map(|(i, p)| GenRequest {
             adapter: None,
             prompt: p.clone(),
             max_new_tokens: tokens,
-            stop: Vec::new(),
-            sampling: Sampling::GREEDY,
-            rng: keyed_stream!(0, "bench"),
+            stop: stop.clone(),
+            sampling,
+            rng: keyed_stream!(0, "bench", i),
+            grammar: grammar.cloned(),
         })
         .collect();
     let start = Instant::now();
-    let out = compute::generate(&base.model, &AdapterSet::new(), requests)?;
+    let (out, stats) = compute::generate_with_stats(&base.model, &AdapterSet::new(), requests)?;
     let generated: usize = out.iter().map(|g| g.tokens.len()).sum();
-    Ok(generated as f64 / start.elapsed().as_secs_f64())
+    Ok((generated as f64 / start.elapsed().as_secs_f64(), stats))
+}
+
+/// Batch 32 under the deduction proposer's reply grammar (the longest
+/// self-play replies: code), sampled at temperature 1 as in self-play.
+fn constrained_batch32(
+    base: &BaseModel,
+    prompts: &[Vec<u32>],
+    tokens: usize,
+) -> anyhow::Result<serde_json::Value> {
+    let shape = ReplyShape {
+        max_new_tokens: tokens,
+        arity: None,
+        inputs: 1,
+    };
+    let lark = reply_grammar(TaskKind::Deduction, Role::Proposer, &shape)
+        .map_err(anyhow::Error::msg)?
+        .lark;
+    let vocabulary = Vocabulary::new(&base.tokenizer, base.config().vocab_size)?;
+    let grammar = Arc::new(vocabulary.compile(&lark)?);
+    let (tok_s, stats) = decode(base, prompts, tokens, Some(&grammar), Sampling::default())?;
+    let wall = stats.model_ms + stats.pick_ms;
+    Ok(serde_json::json!({
+        "tok_s": tok_s,
+        "max_new_tokens": tokens,
+        "mask_share": stats.mask_ms / wall,
+        "mask_ms": stats.mask_ms,
+        "decode_ms": wall,
+        "passes": stats.passes,
+        "sampled_tokens": stats.sampled_tokens,
+        "forced_tokens": stats.forced_tokens,
+    }))
 }
 
 /// candle-transformers' quantized_llama on the same GGUF (quantized weights), batch 1, greedy.
@@ -139,6 +218,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     decode_tok_s(&base, &prompts[..1], 4)?;
     let batch1 = decode_tok_s(&base, &prompts[..1], args.tokens)?;
     let batch32 = decode_tok_s(&base, &prompts, args.tokens)?;
+    let constrained = constrained_batch32(&base, &prompts, args.grammar_tokens)?;
     let peer = if base.source == base::Source::Gguf {
         Some(peer_tok_s(&base.path, &prompts[0], args.tokens)?)
     } else {
@@ -149,6 +229,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "batch32_tok_s": batch32,
         "peer_batch1_tok_s": peer,
         "batch32_over_batch1": batch32 / batch1,
+        "constrained_batch32": constrained,
         "batch1_over_peer": peer.map(|p| batch1 / p),
         "new_tokens_per_row": args.tokens,
         "threads": candle_core::utils::get_num_threads(),

@@ -137,6 +137,7 @@ impl Actor for Coordinator {
                 seed: args.scenario.seed,
                 tokenizer: engine.tokenizer.clone(),
                 settings: engine.settings.clone(),
+                grammars: engine.grammars.clone(),
             },
             cell.clone(),
         )
@@ -222,6 +223,7 @@ async fn spawn_member(state: &mut State, id: MemberId, learner: Learner) -> anyh
         seed: state.args.scenario.seed,
         tokenizer: engine.tokenizer.clone(),
         settings: engine.settings.clone(),
+        grammars: engine.grammars.clone(),
         broker: state.broker.clone(),
     };
     let (actor, _) = Actor::spawn_linked(None, Member, args, state.cell.clone())
@@ -409,6 +411,7 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         step: s,
         settings: &engine.settings,
         tokenizer: &engine.tokenizer,
+        grammars: &engine.grammars,
     };
     let mut clock = Clock::default();
     let mut events = Vec::new();
@@ -495,16 +498,12 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     .await?;
     clock.add("train", start);
 
-    let solve_kinds: Vec<_> = solves
-        .iter()
-        .map(|r| problems[r.job.problem].task.kind())
-        .collect();
     let mut metrics = StepMetrics::measure(
         s,
         &engine.settings,
         &proposals,
+        &problems,
         &solves,
-        &solve_kinds,
         &episodes,
         &batch,
     );

@@ -10,7 +10,7 @@ use populora::compute::{Sampling, TrainConfig};
 use populora::lora::{AdamWConfig, BaseRef, LoraConfig};
 use populora::rl::{AdvantageConfig, RewardConfig};
 use populora::scenario::{ModelSource, Scenario};
-use populora::selfplay::Settings;
+use populora::selfplay::{Grammars, Settings};
 use populora::task::PromptConfig;
 use populora::verify::{Limits, SandboxConfig};
 
@@ -20,6 +20,8 @@ pub struct Engine {
     pub tokenizer: Arc<Tokenizer>,
     pub base: BaseRef,
     pub settings: Arc<Settings>,
+    /// The reply grammars (none when `selfplay.constrained` is off).
+    pub grammars: Arc<Grammars>,
     pub lora: LoraConfig,
     pub adamw: AdamWConfig,
     pub sandbox: SandboxConfig,
@@ -28,11 +30,15 @@ pub struct Engine {
 impl Engine {
     pub fn load(scenario: &Scenario, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Engine> {
         let (model, tokenizer) = base_model(scenario, progress)?;
+        let settings = settings(scenario);
+        let grammars = Grammars::compile(&tokenizer, model.config.vocab_size, &settings)
+            .context("compiling the reply grammars")?;
         Ok(Engine {
             base: BaseRef::of(&model.config),
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
-            settings: Arc::new(settings(scenario)),
+            settings: Arc::new(settings),
+            grammars: Arc::new(grammars),
             lora: LoraConfig {
                 rank: scenario.lora.rank,
                 alpha: scenario.lora.alpha,
@@ -108,6 +114,7 @@ pub fn settings(s: &Scenario) -> Settings {
             temperature: p.temperature as f32,
             top_p: p.top_p as f32,
         },
+        constrained: p.constrained,
         prefill: p.prefill_answer,
         rewards: RewardConfig {
             correct_reward: s.rewards.correct,

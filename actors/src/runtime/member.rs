@@ -11,8 +11,8 @@ use populora::base::Tokenizer;
 use populora::compute::{Generation, TrainRow, TrainStats};
 use populora::lora::{AdamW, Adapter, BaseRef};
 use populora::selfplay::{
-    apply_update, proposal_jobs, solve_jobs, Learner, MemberId, Problem, ProposalJob, Roster,
-    Settings, SolveJob, StepContext,
+    apply_update, proposal_jobs, solve_jobs, Grammars, Learner, MemberId, Problem, ProposalJob,
+    Roster, Settings, SolveJob, StepContext,
 };
 use populora::task::TaskBuffers;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -28,6 +28,7 @@ pub struct MemberArgs {
     pub seed: u64,
     pub tokenizer: Arc<Tokenizer>,
     pub settings: Arc<Settings>,
+    pub grammars: Arc<Grammars>,
     pub broker: ActorRef<BrokerMsg>,
 }
 
@@ -77,6 +78,7 @@ impl MemberState {
             step,
             settings: &self.args.settings,
             tokenizer: &self.args.tokenizer,
+            grammars: &self.args.grammars,
         }
     }
 

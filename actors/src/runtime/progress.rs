@@ -52,11 +52,12 @@ pub fn summary(line: &Line, steps: u64) {
         .collect();
     let compute = line.phase_ms.get("compute").copied().unwrap_or(0.0);
     println!(
-        "step {}/{}  proposals {}/{} valid  solve [{}]  resp {:.0} tok  {:.1}s ({:.0}% model)",
+        "step {}/{}  proposals {}/{} valid, {} learnable  solve [{}]  resp {:.0} tok  {:.1}s ({:.0}% model)",
         line.step,
         steps,
         line.proposals.valid,
         line.proposals.total,
+        line.proposals.learnable,
         rates.join(", "),
         line.tokens.response_mean,
         line.wall_ms / 1e3,

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use populora::base::Tokenizer;
 use populora::compute::Generation;
 use populora::selfplay::{
-    judge_proposals, judge_solutions, Problem, ProposalJob, ProposalResult, Settings, SolveJob,
-    SolveResult, StepContext,
+    judge_proposals, judge_solutions, Grammars, Problem, ProposalJob, ProposalResult, Settings,
+    SolveJob, SolveResult, StepContext,
 };
 use populora::verify::{SandboxConfig, VerifierPool};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -36,6 +36,7 @@ pub struct VerifierArgs {
     pub seed: u64,
     pub tokenizer: Arc<Tokenizer>,
     pub settings: Arc<Settings>,
+    pub grammars: Arc<Grammars>,
 }
 
 pub struct VerifierState {
@@ -43,6 +44,7 @@ pub struct VerifierState {
     seed: u64,
     tokenizer: Arc<Tokenizer>,
     settings: Arc<Settings>,
+    grammars: Arc<Grammars>,
 }
 
 impl Actor for Verifier {
@@ -61,6 +63,7 @@ impl Actor for Verifier {
             seed: args.seed,
             tokenizer: args.tokenizer,
             settings: args.settings,
+            grammars: args.grammars,
         })
     }
 
@@ -72,6 +75,7 @@ impl Actor for Verifier {
     ) -> Result<(), ActorProcessingErr> {
         let (pool, seed) = (state.pool.clone(), state.seed);
         let (tokenizer, settings) = (state.tokenizer.clone(), state.settings.clone());
+        let grammars = state.grammars.clone();
         match msg {
             VerifierMsg::Proposals {
                 step,
@@ -85,6 +89,7 @@ impl Actor for Verifier {
                         step,
                         settings: &settings,
                         tokenizer: &tokenizer,
+                        grammars: &grammars,
                     };
                     judge_proposals(&ctx, jobs, generations, &pool).map_err(anyhow::Error::from)
                 })
@@ -105,6 +110,7 @@ impl Actor for Verifier {
                         step,
                         settings: &settings,
                         tokenizer: &tokenizer,
+                        grammars: &grammars,
                     };
                     judge_solutions(&ctx, &problems, jobs, generations, &pool)
                         .map_err(anyhow::Error::from)
