@@ -9,8 +9,9 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
+use populora::base::fetch::DEFAULT_MODEL;
 use populora::base::tiny::TinyVocab;
-use populora::base::Tokenizer;
+use populora::base::{BaseModel, Tokenizer};
 use populora::grammar::{Grammar, Next, TokenMask, Vocabulary};
 use populora::keyed_stream;
 use populora::task::grammar::{reply_grammar, ReplyShape, MAX_PARAMS};
@@ -103,10 +104,11 @@ fn decode(tokenizer: &Tokenizer, tokens: &[u32]) -> String {
     tokenizer.decode(body).unwrap()
 }
 
-#[test]
-fn every_random_reply_parses_evaluates_and_fits_its_budget() {
-    let tokenizer = tiny_tokenizer();
-    let vocab = Vocabulary::new(&tokenizer, tokenizer.vocab_size()).unwrap();
+/// Random walks through every reply grammar at each budget: each reply ends
+/// with the stop token within its grammar's worst case (itself within the
+/// budget), parses, and its literals evaluate in Python.
+fn random_replies_hold(tokenizer: &Tokenizer, vocab_size: usize, budgets: &[usize], walks: usize) {
+    let vocab = Vocabulary::new(tokenizer, vocab_size).unwrap();
     let mut rng = keyed_stream!(1, "grammar-walk");
     let mut literal_texts = Vec::new();
     for (kind, role, arity) in [
@@ -118,7 +120,7 @@ fn every_random_reply_parses_evaluates_and_fits_its_budget() {
         (TaskKind::Abduction, Role::Solver, None),
         (TaskKind::Induction, Role::Solver, None),
     ] {
-        for max_new_tokens in [96, 160] {
+        for &max_new_tokens in budgets {
             let shape = ReplyShape {
                 max_new_tokens,
                 arity,
@@ -129,10 +131,10 @@ fn every_random_reply_parses_evaluates_and_fits_its_budget() {
             };
             assert!(built.worst_case_tokens <= max_new_tokens);
             let grammar = vocab.compile(&built.lark).unwrap();
-            for _ in 0..12 {
+            for _ in 0..walks {
                 let tokens = random_reply(&grammar, &mut rng, max_new_tokens)
                     .unwrap_or_else(|| panic!("{kind:?} {role:?} {max_new_tokens}: no end"));
-                let text = decode(&tokenizer, &tokens);
+                let text = decode(tokenizer, &tokens);
                 assert!(
                     tokens.len() <= built.worst_case_tokens,
                     "{kind:?} {role:?} {max_new_tokens}: {} tokens, worst case {}: {text:?}",
@@ -144,8 +146,25 @@ fn every_random_reply_parses_evaluates_and_fits_its_budget() {
             }
         }
     }
-    assert!(literal_texts.len() > 50);
+    assert!(literal_texts.len() > 4 * walks);
     assert_literal_eval(&literal_texts);
+}
+
+#[test]
+fn every_random_reply_parses_evaluates_and_fits_its_budget() {
+    let tokenizer = tiny_tokenizer();
+    random_replies_hold(&tokenizer, tokenizer.vocab_size(), &[96, 160], 12);
+}
+
+/// The same on SmolLM2's vocabulary of multi-byte tokens (fetched on first
+/// use; the test fails if it cannot be).
+#[test]
+fn every_random_reply_holds_on_the_smollm2_vocabulary() {
+    let path = DEFAULT_MODEL
+        .ensure(&mut |m| eprintln!("{m}"))
+        .unwrap_or_else(|e| panic!("the real SmolLM2 model is required for this test: {e}"));
+    let base = BaseModel::load(&path).unwrap();
+    random_replies_hold(&base.tokenizer, base.config().vocab_size, &[192, 512], 4);
 }
 
 #[test]

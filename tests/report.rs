@@ -105,7 +105,7 @@ fn step_metrics(step: u64) -> Value {
                      "evolve": if step.is_multiple_of(5) { 25.0 } else { 0.0 }, "checkpoint": if step.is_multiple_of(10) { 80.0 } else { 0.0 }},
         "members": members,
         "groups": groups,
-        "proposals": {"total": 8, "valid": programs.len(), "rejected": {"format": 2, "timeout": 1}},
+        "proposals": {"total": 8, "valid": programs.len(), "learnable": programs.len() / 2, "rejected": {"format": 2, "timeout": 1}},
         "solve_rate": {"deduction": 0.5 + 0.4 * (s / 2.0).sin(), "abduction": abduction, "induction": 0.2 + s * 0.02},
         "programs": programs,
         "tokens": {"prompt_mean": 300.0, "response_mean": 80.0},

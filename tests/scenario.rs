@@ -166,7 +166,7 @@ const CASES: &[Case] = &[
      Some("model.tiny.hidden"), 6, "odd head size 9"),
     ("tiny too short for the token budget",
      "seed = 1\nsteps = 2\n[model]\nsource = \"tiny\"\n[model.tiny]\nmax_positions = 512\n",
-     Some("model.tiny.max_positions"), 6, "1280.."),
+     Some("model.tiny.max_positions"), 6, "1536.."),
     // ---- operators
     ("unknown crossover operator (registry check)",
      "seed = 1\nsteps = 2\n[evolution]\ncrossover = [\n  { op = \"ties\", weight = 1.0 },\n  { op = \"tise\", weight = 1.0 },\n]\n",
@@ -267,7 +267,8 @@ fn defaults() {
         (sp.references, sp.proposals_per_teacher, sp.solver_samples),
         (6, 1, 8)
     );
-    assert_eq!((sp.max_prompt_tokens, sp.max_new_tokens), (1024, 256));
+    assert_eq!((sp.max_prompt_tokens, sp.max_new_tokens), (1024, 512));
+    assert!(sp.constrained && !sp.prefill_answer);
     assert_eq!((sp.temperature, sp.top_p), (1.0, 1.0));
     assert_eq!((sp.induction_inputs, sp.induction_shown), (10, 5));
     assert_eq!(
@@ -311,7 +312,7 @@ fn defaults() {
 #[test]
 fn resolved_defaults_depend_on_other_keys() {
     let tiny =
-        parse("seed = 1\nsteps = 2\nmodel.source = \"tiny\"\nselfplay.max_prompt_tokens = 256\n")
+        parse("seed = 1\nsteps = 2\nmodel.source = \"tiny\"\nselfplay.max_prompt_tokens = 128\nselfplay.max_new_tokens = 384\n")
             .unwrap();
     assert_eq!(tiny.model.tiny, Some(TinyModelConfig::default()));
 
@@ -430,7 +431,7 @@ fn shipped_scenarios_parse() {
     );
     assert_eq!(
         (tiny.selfplay.max_new_tokens, tiny.selfplay.solver_samples),
-        (16, 2)
+        (128, 2)
     );
 
     let solo_quick = shipped("solo-quick.toml");

@@ -12,6 +12,18 @@
 //! near-tie. A replay runs the same batches, so it gets the same bits. Rows
 //! are internally grouped by adapter (segments) and the results returned in
 //! request order.
+//!
+//! Structured decoding: a row may carry a grammar ([`crate::grammar`]). Its
+//! next token is then sampled from the softmax at the row's temperature,
+//! renormalised over the tokens the grammar allows (the others' logits at
+//! −∞), and the recorded log-prob is of that same distribution, which is the
+//! one PPO trains ([`super::train_step`]). Text the grammar fixes is appended
+//! without sampling ([`Pick::Forced`]: log-prob 0, never trained); its first
+//! run joins the prompt in the prefill, and a pass takes several tokens at
+//! once when every row has that many decided. Masks are computed per row in
+//! parallel and are a pure function of the row's tokens, so a constrained
+//! row decodes the same in every replay. A batch without grammars decodes
+//! exactly as before grammars existed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -91,8 +103,8 @@ pub enum Pick {
     Free,
     /// Sampled from the tokens the grammar allowed there.
     Masked(TokenMask),
-    /// Written by the grammar, the only token it allowed: not the model's
-    /// choice, so its log-prob is 0 and it is never trained.
+    /// Written by the grammar (text it fixes, or the only token it allows):
+    /// not the model's choice, so its log-prob is 0 and it is never trained.
     Forced,
 }
 
@@ -184,16 +196,13 @@ pub fn generate_with_stats(
         .enumerate()
         .map(|(i, request)| Row::new(i, request))
         .collect();
-    // Grammars' first forced tokens, before the prefill.
+    // The grammars' first forced tokens, before the prefill.
     let started = Instant::now();
-    rows.par_iter_mut()
-        .try_for_each(|r| r.start_constraint(context))?;
+    rows.par_iter_mut().try_for_each(|r| r.start(context))?;
     stats.mask_ms += ms(started);
     // Group rows by adapter (stable: ties keep request order).
     rows.sort_by_key(|r| (r.request.adapter, r.index));
-    let mut finished: Vec<Row> = Vec::new();
-    let (mut active, done): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| !r.done);
-    finished.extend(done);
+    let (mut active, mut finished): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| !r.done);
     let longest = active.iter().map(|r| r.feed.len()).max().unwrap_or(0);
     for r in &mut active {
         r.pad = longest - r.feed.len();
@@ -205,43 +214,24 @@ pub fn generate_with_stats(
         RowAdapters::new(adapters, &ids).map(|hook| hook.detached())
     };
     let mut hook = hook_for(&active)?;
-    let mut first = true;
+    let mut width = longest;
     while !active.is_empty() {
-        // The prefill takes every row's whole feed (left-padded); later passes
-        // the longest run that every row has waiting.
-        let width = if first {
-            longest
-        } else {
-            active.iter().map(|r| r.feed.len()).min().unwrap_or(1)
-        };
-        let mut step_tokens = Vec::with_capacity(active.len() * width);
-        for r in &mut active {
-            let take = if first { r.feed.len() } else { width };
-            step_tokens.extend(std::iter::repeat_n(0, width - take));
-            step_tokens.extend(r.feed.drain(..take));
-        }
         let started = Instant::now();
-        let tokens = Tensor::from_vec(step_tokens, (active.len(), width), &device)?;
+        let tokens = Tensor::from_vec(
+            take_feed(&mut active, width),
+            (active.len(), width),
+            &device,
+        )?;
         let pads: Vec<usize> = active.iter().map(|r| r.pad).collect();
         let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
         let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
         let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
         stats.passes += 1;
         stats.model_ms += ms(started);
-        first = false;
 
         let started = Instant::now();
-        let mask_ms: f64 = active
-            .par_iter_mut()
-            .zip(logits)
-            .filter(|(r, _)| r.feed.is_empty())
-            .map(|(r, logits)| r.pick(logits, context))
-            .try_reduce(|| 0.0, |a, b| Ok(a + b))?;
+        stats.mask_ms += pick_all(&mut active, logits, context)?;
         stats.pick_ms += ms(started);
-        // Rows decide in parallel: their summed mask time over the threads
-        // that ran them is the mask work's share of this wall time.
-        stats.mask_ms += mask_ms / rayon::current_num_threads() as f64;
-
         if active.iter().any(|r| r.done) {
             let keep: Vec<u32> = (0..active.len() as u32)
                 .filter(|&i| !active[i as usize].done)
@@ -255,19 +245,50 @@ pub fn generate_with_stats(
             cache.select_rows(&Tensor::new(keep.as_slice(), &device)?)?;
             hook = hook_for(&active)?;
         }
+        // The longest run of decided tokens that every row has waiting.
+        width = active.iter().map(|r| r.feed.len()).min().unwrap_or(1);
     }
+    Ok((in_request_order(finished, count, &mut stats), stats))
+}
+
+/// The next pass's tokens, `width` from each row's feed; the prefill
+/// (`width` = the longest feed) takes every row's whole feed, left-padded.
+fn take_feed(active: &mut [Row], width: usize) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(active.len() * width);
+    for r in active {
+        let take = r.feed.len().min(width);
+        tokens.extend(std::iter::repeat_n(0, width - take));
+        tokens.extend(r.feed.drain(..take));
+    }
+    tokens
+}
+
+/// Every row whose feed the pass used up picks its next token, rows in
+/// parallel (each from its own stream, so the order of work does not
+/// matter). Returns the mask work's share of the wall time: the rows' summed
+/// mask time over the threads that ran them.
+fn pick_all(active: &mut [Row], logits: Vec<Vec<f32>>, context: usize) -> Result<f64> {
+    let mask_ms: f64 = active
+        .par_iter_mut()
+        .zip(logits)
+        .filter(|(r, _)| r.feed.is_empty())
+        .map(|(r, logits)| r.pick(logits, context))
+        .try_reduce(|| 0.0, |a, b| Ok(a + b))?;
+    Ok(mask_ms / rayon::current_num_threads() as f64)
+}
+
+/// The finished rows' generations in request order, counted into `stats`.
+fn in_request_order(finished: Vec<Row>, count: usize, stats: &mut DecodeStats) -> Vec<Generation> {
     let mut out: Vec<Option<Generation>> = (0..count).map(|_| None).collect();
     for r in finished {
-        let i = r.index;
-        stats.forced_tokens += r.out.picks.iter().filter(|p| **p == Pick::Forced).count();
-        stats.sampled_tokens += r.out.picks.iter().filter(|p| **p != Pick::Forced).count();
-        out[i] = Some(r.out);
+        let forced = r.out.picks.iter().filter(|p| **p == Pick::Forced).count();
+        stats.forced_tokens += forced;
+        stats.sampled_tokens += r.out.picks.len() - forced;
+        out[r.index] = Some(r.out);
     }
-    let out = out
-        .into_iter()
+    out.into_iter()
         .map(|g| g.expect("every row finishes"))
-        .collect();
-    Ok((out, stats))
+        .collect()
 }
 
 fn check_request(row: usize, r: &GenRequest, model: &Llama) -> Result<()> {
@@ -331,7 +352,7 @@ impl Row {
 
     /// The grammar's first forced tokens (they join the prompt in the
     /// prefill) and the first mask.
-    fn start_constraint(&mut self, context: usize) -> Result<()> {
+    fn start(&mut self, context: usize) -> Result<()> {
         if self.done {
             return Ok(());
         }

@@ -1,6 +1,12 @@
 //! Per-token log-probabilities and the PPO-clip train step over many adapters
 //! at once: one gradient set per adapter, accumulated over micro-batches.
 //!
+//! The policy trained is the one the tokens were sampled from
+//! ([`super::generate`]): the softmax of the logits at the row's sampling
+//! temperature, renormalised over the tokens a grammar allowed where a row
+//! has a mask ([`TrainRow::allowed`]). Tokens the grammar forced carry no
+//! loss (the caller leaves them out of `loss_mask`).
+//!
 //! Memory is bounded by the micro-batch token budget (padded tokens per
 //! micro-batch, default [`DEFAULT_TOKEN_BUDGET`]): the blocks' saved
 //! activations ([`tape`]) scale with it, and logits are only formed at scored

@@ -1,12 +1,13 @@
-//! The line charts of the report, computed from the step metrics: problem
-//! complexity, solve rate, problem-space coverage, rewards and fitness.
+//! The line charts of the report, computed from the step metrics: valid and
+//! learnable proposals, problem complexity, solve rate, problem-space
+//! coverage, rewards, fitness and ratings.
 //!
 //! Colours are stable within a run: a task kind has the same colour in every
 //! figure, and members are coloured in natural id order.
 
 use super::chart::{EndMark, LegendKey, LineChart, Panel, Series};
 use super::history::{mean, Fate, History};
-use super::input::{ProgramMetrics, StepMetrics};
+use super::input::{ProgramMetrics, ProposalCounts, Rating, StepMetrics};
 use super::order::{distinct, distinct_ids, id_key, kind_order, role_rank, sorted};
 use super::scene::{Stroke, BLACK, DASHES, MUTED, PALETTE};
 
@@ -236,6 +237,93 @@ pub(crate) fn rewards(metrics: &[StepMetrics]) -> LineChart {
         .collect();
     LineChart {
         title: "Mean reward per task kind and role".to_string(),
+        x_label: STEP.to_string(),
+        panels,
+        notes: Vec::new(),
+    }
+}
+
+/// The share of proposals that were valid, and the number of learnable
+/// problems (solved in some rollouts but not all), per step.
+pub(crate) fn proposals(metrics: &[StepMetrics]) -> LineChart {
+    let points = |f: fn(&ProposalCounts) -> Option<f64>| {
+        metrics
+            .iter()
+            .map(|m| (m.step as f64, m.proposals.as_ref().and_then(f)))
+            .collect()
+    };
+    let valid = |p: &ProposalCounts| (p.total > 0).then(|| p.valid as f64 / p.total as f64);
+    let learnable = |p: &ProposalCounts| p.learnable.map(|n| n as f64);
+    LineChart {
+        title: "Valid proposals and learnable problems".to_string(),
+        x_label: STEP.to_string(),
+        panels: vec![
+            Panel {
+                title: None,
+                y_label: "valid share".to_string(),
+                series: vec![line(
+                    "valid / proposed",
+                    points(valid),
+                    Stroke::solid(BLACK, 2.0),
+                )],
+                y_range: Some((0.0, 1.0)),
+            },
+            Panel {
+                title: None,
+                y_label: "learnable problems".to_string(),
+                series: vec![line(
+                    "0 < solve rate < 1",
+                    points(learnable),
+                    nth_stroke(0, 2.0),
+                )],
+                y_range: None,
+            },
+        ],
+        notes: Vec::new(),
+    }
+}
+
+/// TrueSkill rating per member: mean μ, one panel per role, and the
+/// uncertainty σ of every member (it starts at the prior and shrinks as a
+/// member's matches are rated).
+pub(crate) fn ratings(metrics: &[StepMetrics], history: &History) -> LineChart {
+    let members = member_roles(metrics, history);
+    let roles = distinct(members.iter().map(|(_, role)| role.as_str()), role_rank);
+    let series_of = |id: &str, colour: usize, value: fn(&Rating) -> f64| {
+        let points = metrics
+            .iter()
+            .filter_map(|m| {
+                let member = m.members.iter().find(|x| x.id == id)?;
+                Some((m.step as f64, member.rating.as_ref().map(value)))
+            })
+            .collect();
+        line(id, points, nth_stroke(colour, 1.6))
+    };
+    let colour = |id: &str| members.iter().position(|(m, _)| m == id).unwrap_or(0);
+    let mut panels: Vec<Panel> = roles
+        .iter()
+        .map(|role| Panel {
+            title: Some(format!("{role}s")),
+            y_label: format!("{role} μ"),
+            series: members
+                .iter()
+                .filter(|(_, r)| r == role)
+                .map(|(id, _)| series_of(id, colour(id), |r| r.mu))
+                .collect(),
+            y_range: None,
+        })
+        .collect();
+    panels.push(Panel {
+        title: Some("every member".to_string()),
+        y_label: "σ".to_string(),
+        series: members
+            .iter()
+            .map(|(id, _)| series_of(id, colour(id), |r| r.sigma))
+            .collect(),
+        y_range: Some((0.0, 9.0)),
+    });
+    LineChart {
+        title: "TrueSkill ratings per member".to_string(),
         x_label: STEP.to_string(),
         panels,
         notes: Vec::new(),

@@ -40,6 +40,18 @@ pub(crate) struct StepMetrics {
     pub solve_rate: BTreeMap<String, Option<f64>>,
     #[serde(default)]
     pub programs: Vec<ProgramMetrics>,
+    #[serde(default)]
+    pub proposals: Option<ProposalCounts>,
+}
+
+/// How many problems were proposed in one step, valid, and learnable.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct ProposalCounts {
+    pub total: u64,
+    pub valid: u64,
+    /// Absent in runs written before the count existed.
+    #[serde(default)]
+    pub learnable: Option<u64>,
 }
 
 /// One member's numbers in one step.
@@ -50,6 +62,15 @@ pub(crate) struct MemberMetrics {
     pub role: Option<String>,
     #[serde(default)]
     pub fitness: Option<f64>,
+    #[serde(default)]
+    pub rating: Option<Rating>,
+}
+
+/// A member's TrueSkill rating after a step.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub(crate) struct Rating {
+    pub mu: f64,
+    pub sigma: f64,
 }
 
 /// Reward statistics of one (task kind × role) group in one step.

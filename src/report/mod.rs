@@ -7,11 +7,13 @@
 //!
 //! | file | shows |
 //! |---|---|
+//! | `proposals` | share of valid proposals, learnable problems per step |
 //! | `complexity` | mean AST nodes and cyclomatic complexity of valid proposals, overall and per author |
 //! | `solve_rate` | student solve rate per task kind |
 //! | `coverage` | cumulative distinct program signatures, overall and per kind |
 //! | `rewards` | mean reward per task kind, for proposers and solvers |
 //! | `fitness` | fitness per member (lines begin at spawn, × at cull or kill) |
+//! | `ratings` | TrueSkill μ per member by role, and every member's σ |
 //! | `lineage` | members over time, spawn edges with operators, culls and kills |
 //!
 //! each as `NAME.svg` and `NAME.png`, plus `index.html`.
@@ -42,12 +44,14 @@ use html::FigureRef;
 use scene::Scene;
 
 /// The plots [`write`] produces, each as `NAME.svg` and `NAME.png`.
-pub const PLOTS: [&str; 6] = [
+pub const PLOTS: [&str; 8] = [
+    "proposals",
     "complexity",
     "solve_rate",
     "coverage",
     "rewards",
     "fitness",
+    "ratings",
     "lineage",
 ];
 
@@ -150,6 +154,11 @@ fn scenes(
     let m = &data.metrics;
     vec![
         (
+            "proposals",
+            chart::render(&figures::proposals(m)),
+            "Share of the proposed problems that were valid (their program ran, deterministically, on their input), and the number of learnable problems: solved in some of their rollouts but not all, the ones a teacher is rewarded for.",
+        ),
+        (
             "solve_rate",
             chart::render(&figures::solve_rate(m)),
             "Fraction of problems the students solved, per task kind; a gap is a step without problems of that kind. The teacher–student oscillation shows here.",
@@ -173,6 +182,11 @@ fn scenes(
             "fitness",
             chart::render(&figures::fitness(m, history)),
             "Fitness of every member, by role; a line begins when a member appears and ends with × where it was culled or killed.",
+        ),
+        (
+            "ratings",
+            chart::render(&figures::ratings(m, history)),
+            "TrueSkill rating of every member: the mean μ by role (a teacher wins a match when the student fails), and the uncertainty σ, which starts at the prior (8.33) and shrinks as a member's matches are rated.",
         ),
         (
             "lineage",

@@ -266,7 +266,9 @@ pub struct SelfPlayConfig {
     pub solver_samples: usize,
     /// Prompt token budget, 64..=8192. Default: 1024.
     pub max_prompt_tokens: usize,
-    /// Generation token budget, 8..=4096. Default: 256.
+    /// Generation token budget, 8..=4096; with `constrained`, every reply's
+    /// grammar must fit it (AZR's induction proposal of 10 inputs needs 315).
+    /// Default: 512.
     pub max_new_tokens: usize,
     /// Sampling temperature, 0.0..=2.0 (0 = greedy). Default: 1.0.
     pub temperature: f64,
@@ -296,7 +298,7 @@ impl Default for SelfPlayConfig {
             proposals_per_teacher: 1,
             solver_samples: 8,
             max_prompt_tokens: 1024,
-            max_new_tokens: 256,
+            max_new_tokens: 512,
             temperature: 1.0,
             top_p: 1.0,
             constrained: true,

@@ -51,7 +51,7 @@ pub struct Settings {
     pub proposals_per_kind: usize,
     /// Solver rollouts per problem and matched solver: AZR's n (default 8).
     pub solver_samples: usize,
-    /// Longest response (default 256).
+    /// Longest response (default 512).
     pub max_new_tokens: usize,
     /// Sampling of every response (default temperature 1, top-p 1).
     pub sampling: Sampling,
@@ -76,7 +76,7 @@ impl Default for Settings {
             prompt: PromptConfig::default(),
             proposals_per_kind: 1,
             solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
-            max_new_tokens: 256,
+            max_new_tokens: 512,
             sampling: Sampling::default(),
             constrained: true,
             prefill: false,
