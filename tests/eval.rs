@@ -623,7 +623,16 @@ fn results_table_and_json() {
         &[(2, 0), (2, 1)],
         Some(2),
     )];
-    let text = table(&results(), Some(&baseline));
+    let base = [BenchmarkResult::from_counts(
+        "humaneval",
+        "base model",
+        &[(2, 0), (2, 0)],
+        Some(2),
+    )];
+    let text = table(
+        &results(),
+        &[("baseline", &baseline), ("base model", &base)],
+    );
     eprintln!("{text}");
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines[0].starts_with("member") && lines[0].contains("humaneval pass@1 (n=2)"));
@@ -644,9 +653,10 @@ fn results_table_and_json() {
     assert_eq!(row("best"), "best 75.0 (m1) 100.0 (m1) 50.0 (m0)");
     assert_eq!(row("weakest"), "weakest 25.0 (m0) 50.0 (m0) 25.0 (m1)");
     assert_eq!(row("baseline"), "baseline 25.0 50.0 -");
+    assert_eq!(row("base model"), "base model 0.0 0.0 -");
 
     let json = serde_json::to_string(&results()).unwrap();
     let back: Vec<BenchmarkResult> = serde_json::from_str(&json).unwrap();
     assert_eq!(back, results());
-    assert!(table(&[], None).starts_with("member"));
+    assert!(table(&[], &[]).starts_with("member"));
 }

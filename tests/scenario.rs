@@ -1,6 +1,7 @@
 //! Scenario schema: malformed files, defaults, the resolved copy, the shipped files.
 
 use populora::lora::Target;
+use populora::scenario::experiment::Experiment;
 use populora::scenario::{
     parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource, Role, Scenario,
     ScenarioError, TaskKind, TinyModelConfig, WeightedOperator,
@@ -49,7 +50,7 @@ const CASES: &[Case] = &[
     ("syntax: unterminated string", "seed = 1\nsteps = 2\nname = \"abc\n", None, 3, ""),
     // ---- schema: unknown keys, types, missing keys, variants
     ("unknown top-level key", "seed = 1\nsteps = 2\nseleplay = 3\n", Some("seleplay"), 3,
-     "unknown key `seleplay` (expected one of: name, seed, steps, model, lora"),
+     "unknown key `seleplay` (expected one of: name, seed, steps, budget_tflop, model, lora"),
     ("unknown table", "seed = 1\nsteps = 2\n\n[seleplay]\nreferences = 2\n", Some("seleplay"), 4,
      "unknown key `seleplay`"),
     ("unknown nested key", "seed = 1\nsteps = 2\n[lora]\nrank = 8\nrnak = 3\n", Some("lora.rnak"), 5,
@@ -164,6 +165,8 @@ const CASES: &[Case] = &[
      Some("model.tiny.heads"), 5, "does not divide"),
     ("tiny odd head size", "seed = 1\nsteps = 2\n[model]\nsource = \"tiny\"\n[model.tiny]\nhidden = 36\nheads = 4\nkv_heads = 4\n",
      Some("model.tiny.hidden"), 6, "odd head size 9"),
+    ("compute budget not positive", "seed = 1\nsteps = 2\nbudget_tflop = -1.5\n",
+     Some("budget_tflop"), 3, "budget_tflop = -1.5 is out of range (allowed > 0)"),
     ("tiny too short for the token budget",
      "seed = 1\nsteps = 2\n[model]\nsource = \"tiny\"\n[model.tiny]\nmax_positions = 512\n",
      Some("model.tiny.max_positions"), 6, "1536.."),
@@ -461,10 +464,88 @@ fn shipped_scenarios_parse() {
     let solo = shipped("baseline-solo.toml");
     assert_eq!(solo.population.mode, Mode::Solo);
     assert!(!solo.evolution.enabled);
-    // Compute-matched with 4t4s: same steps and token settings.
-    assert_eq!(solo.steps, paper.steps);
+    // The same token settings as 4t4s; its steps only bound it, as
+    // experiments/paper-4t4s.toml matches the two runs' compute.
+    assert!(solo.steps >= 4 * paper.steps);
     assert_eq!(solo.selfplay, paper.selfplay);
     assert_eq!(solo.lora, paper.lora);
+}
+
+#[test]
+fn shipped_experiments_load() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
+    for file in ["quick.toml", "paper-4t4s.toml"] {
+        let loaded = Experiment::from_file(&root.join(file), check_operator)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (p, b) = (&loaded.population, &loaded.baseline);
+        assert_eq!(p.population.mode, Mode::Population, "{file}");
+        assert_eq!(b.population.mode, Mode::Solo, "{file}");
+        assert_eq!(
+            p.selfplay, b.selfplay,
+            "{file}: the same self-play settings"
+        );
+        assert_eq!(p.lora, b.lora, "{file}: the same adapter shape");
+        assert_eq!(
+            b.budget_tflop, None,
+            "{file}: the experiment sets the budget"
+        );
+    }
+}
+
+#[test]
+fn malformed_experiments_name_the_key() {
+    let dir = std::env::temp_dir().join(format!("populora-experiments-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let scenarios = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+    let (pop, solo) = (
+        scenarios.join("tiny.toml"),
+        scenarios.join("baseline-solo.toml"),
+    );
+    let cases = [
+        (
+            format!("population = {pop:?}\nbaseline = {pop:?}\n"),
+            "baseline",
+            "solo",
+        ),
+        (
+            format!("population = {solo:?}\nbaseline = {solo:?}\n"),
+            "population",
+            "population",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\n"),
+            "baseline",
+            "same [model]",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\n[eval]\nbootstrap = 5\n"),
+            "eval.bootstrap",
+            "100..",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\n[eval]\nbenchmarks = [\"mmlu\"]\n"),
+            "eval.benchmarks",
+            "mmlu",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\nseeds = 3\n"),
+            "seeds",
+            "unknown",
+        ),
+    ];
+    for (i, (text, key, fragment)) in cases.iter().enumerate() {
+        let file = dir.join(format!("e{i}.toml"));
+        std::fs::write(&file, text).unwrap();
+        let err = Experiment::from_file(&file, check_operator).unwrap_err();
+        assert!(
+            err.to_string().contains(fragment) && err.key.as_deref().unwrap_or("").contains(key),
+            "{text}: {err} ({:?})",
+            err.key
+        );
+    }
+    let missing = Experiment::from_file(&dir.join("absent.toml"), check_operator).unwrap_err();
+    assert_eq!(missing.kind, ErrorKind::Read);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

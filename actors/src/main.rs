@@ -31,6 +31,8 @@ enum Command {
     Report(cli::report::Args),
     /// Evaluate every member of a run on held-out benchmarks.
     Eval(cli::eval::Args),
+    /// A population against a compute-matched single-adapter baseline: run, evaluate, compare.
+    Experiment(cli::experiment::Args),
     /// Fetch the default model (or a data set) into the cache.
     Fetch(cli::fetch::Args),
     /// Print the model's configuration and the cache location.
@@ -61,6 +63,7 @@ fn main() {
         Command::Resume(args) => cli::resume::run(args),
         Command::Report(args) => cli::report::run(args),
         Command::Eval(args) => cli::eval::run(args),
+        Command::Experiment(args) => cli::experiment::run(args),
         Command::Fetch(args) => cli::fetch::run(args),
         Command::Info(args) => cli::info::run(args),
         Command::Generate(args) => cli::generate::run(args),

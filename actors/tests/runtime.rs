@@ -298,3 +298,145 @@ fn malformed_scenarios_are_refused_with_file_and_line() {
         );
     }
 }
+
+/// The compute a finished run had spent after `step`, from its metrics (TFLOP).
+fn spent_after(dir: &Path, step: u64) -> f64 {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let line: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|l| l["step"] == step)
+        .unwrap();
+    line["compute_total"]["flops"].as_f64().unwrap() / 1e12
+}
+
+#[test]
+fn a_compute_budget_ends_the_run_where_it_is_spent_and_replays() {
+    // tiny.toml's spending after step 2 as the budget: the run ends there,
+    // the boundary nearest it (after step 1, another step like the first
+    // still falls short of it by more than half a step).
+    let (one, two) = (spent_after(baseline(), 1), spent_after(baseline(), 2));
+    assert!(one > 0.0 && 1.5 * one < two, "{one} {two}");
+    let budget = two;
+    let text = std::fs::read_to_string(scenario("tiny.toml"))
+        .unwrap()
+        .replace(
+            "steps = 4 ",
+            &format!("budget_tflop = {budget:e}\nsteps = 4 "),
+        );
+    let file = scratch("budget.toml");
+    std::fs::write(&file, text).unwrap();
+    let dir = scratch("budget");
+    let out = run_to(&dir, &file);
+    assert!(
+        out.contains("finished (compute budget spent) after 2 steps"),
+        "{out}"
+    );
+    assert!(end_line(&dir).contains(r#""step":2"#));
+    ok(populora(&["replay", dir.to_str().unwrap()])
+        .output()
+        .unwrap());
+}
+
+#[test]
+fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
+    let dir = scratch("experiment");
+    std::fs::create_dir_all(&dir).unwrap();
+    let solo = std::fs::read_to_string(scenario("tiny.toml"))
+        .unwrap()
+        .replace("steps = 4 ", "steps = 80 ")
+        .replace(
+            "mode = \"population\"\nteachers = 2                  # teacher-0 → sub-population 0, teacher-1 → 1\nstudents = 2                  # student-0 → sub-population 0, student-1 → 1\nsubpopulations = 2            # teachers are solved by students of the other sub-population\nstudents_per_teacher = 1",
+            "mode = \"solo\"",
+        )
+        .replace("enabled = true\n", "enabled = false\n");
+    let solo = solo[..solo.find("[[events]]").unwrap()].to_string();
+    std::fs::write(dir.join("solo.toml"), solo).unwrap();
+    // Eight population steps, so that one baseline step is a small share of the budget.
+    let population = std::fs::read_to_string(scenario("tiny.toml"))
+        .unwrap()
+        .replace("steps = 4 ", "steps = 8 ");
+    std::fs::write(dir.join("population.toml"), population).unwrap();
+    let file = dir.join("e.toml");
+    std::fs::write(
+        &file,
+        "population = \"population.toml\"\nbaseline = \"solo.toml\"\n[eval]\nlimit = 2\nmax_new_tokens = 24\nbootstrap = 200\n",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let run = || {
+        ok(populora(&[
+            "experiment",
+            file.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap())
+    };
+    let first = run();
+    assert!(first.contains("compute: population"), "{first}");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("experiment.json")).unwrap()).unwrap();
+    let (p, b) = (
+        summary["population"]["compute"]["flops"].as_f64().unwrap(),
+        summary["baseline"]["compute"]["flops"].as_f64().unwrap(),
+    );
+    assert!((b - p).abs() <= 0.05 * p, "population {p}, baseline {b}");
+    let benchmarks = summary["benchmarks"].as_array().unwrap();
+    let names: Vec<&str> = benchmarks
+        .iter()
+        .map(|b| b["benchmark"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["humaneval", "humaneval-io-output", "humaneval-io-input"]
+    );
+    for b in benchmarks {
+        assert_eq!(b["members"].as_array().unwrap().len(), 4, "{b}");
+        assert!(
+            b["mean_minus_baseline"]["resamples"].as_u64() == Some(200),
+            "{b}"
+        );
+        assert!(b["base_model"].is_number(), "{b}");
+    }
+    let page = std::fs::read_to_string(out.join("report/index.html")).unwrap();
+    assert!(
+        page.contains("mean − baseline") && page.contains("../population/report/solve_rate.svg")
+    );
+    assert!(out.join("population/report/index.html").exists());
+    // Every answer is on record, for every row.
+    let items = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
+    assert_eq!(items.lines().count(), 3 * 2 * (4 + 1 + 1));
+    assert!(
+        items.contains(r#""member":"base model""#)
+            && items.contains(r#""member":"baseline/solo-0""#)
+    );
+    // Run again: every stage is done, nothing is redone, the result is the same.
+    let before = std::fs::read(out.join("experiment.json")).unwrap();
+    let journal_before = journal(&out.join("baseline"));
+    run();
+    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
+    assert_eq!(journal(&out.join("baseline")), journal_before);
+    // An interrupted evaluation is redone; the comparison comes out the same.
+    std::fs::remove_file(out.join("eval/items.jsonl")).unwrap();
+    run();
+    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
+    // Another experiment file is refused in the same directory.
+    let other = dir.join("other.toml");
+    std::fs::write(
+        &other,
+        std::fs::read_to_string(&file).unwrap() + "# changed\n",
+    )
+    .unwrap();
+    let refused = populora(&[
+        "experiment",
+        other.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("holds another experiment"));
+}

@@ -6,11 +6,13 @@
 //! ([`RowAdapters`]). Rows are ordered by adapter id before anything runs, so
 //! results never depend on request order.
 
+mod cost;
 mod generate;
 mod row_adapters;
 mod tape;
 mod train;
 
+pub use cost::Cost;
 pub use generate::{
     generate, generate_with_stats, sample_token, DecodeStats, GenRequest, Generation, Pick,
     Sampling, StopReason,

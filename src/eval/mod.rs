@@ -11,8 +11,10 @@
 //! | [`humaneval`] | HumanEval problems, code extraction, sandboxed tests, pass@k, `samples.jsonl` |
 //! | [`humaneval_io`] | output/input-prediction items built from HumanEval tests |
 //! | [`math`] | GSM8K and MATH sets, answer extraction and equivalence |
+//! | [`compare`] | per-item scores and a paired bootstrap over items |
 //! | `mod.rs` | [`EvalError`], [`ChatPrompt`], JSONL reading, [`BenchmarkResult`] and [`table`] |
 
+pub mod compare;
 pub mod humaneval;
 pub mod humaneval_io;
 pub mod math;
@@ -100,6 +102,26 @@ fn read_text(path: &Path) -> Result<String, EvalError> {
     })
 }
 
+/// One answer to one item: who answered, whether it passed, and what it said.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ItemRecord {
+    pub benchmark: String,
+    /// The item's id (HumanEval's `task_id`; empty for the math sets; one
+    /// HumanEval problem gives several HumanEval-IO items).
+    pub task_id: String,
+    /// The item's position in its benchmark.
+    pub item: usize,
+    pub member: String,
+    /// Which sample of the item (0 when greedy).
+    pub sample: usize,
+    pub passed: bool,
+    /// The response as generated (stop token removed).
+    pub response: String,
+    /// HumanEval: the completion handed to the official harness.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion: Option<String>,
+}
+
 /// One member's (or the baseline's) score on one benchmark.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchmarkResult {
@@ -150,9 +172,14 @@ impl BenchmarkResult {
 /// A plain-text table of pass@1 (and pass@k) in percent: one row per member,
 /// one column per benchmark (and per benchmark's pass@k), then the population
 /// mean, the best and weakest member in each column (named in brackets) and
-/// the baseline. Members and benchmarks keep their first-seen order.
-pub fn table(results: &[BenchmarkResult], baseline: Option<&[BenchmarkResult]>) -> String {
-    let columns = columns(results, baseline.unwrap_or(&[]));
+/// one row per labelled reference (the baseline, the base model), each its
+/// results' first member. Members and benchmarks keep their first-seen order.
+pub fn table(results: &[BenchmarkResult], references: &[(&str, &[BenchmarkResult])]) -> String {
+    let all_references: Vec<BenchmarkResult> = references
+        .iter()
+        .flat_map(|(_, r)| r.iter().cloned())
+        .collect();
+    let columns = columns(results, &all_references);
     let members = first_seen(results.iter().map(|r| r.member.as_str()));
 
     let mut header = vec!["member".to_string()];
@@ -174,11 +201,11 @@ pub fn table(results: &[BenchmarkResult], baseline: Option<&[BenchmarkResult]>) 
             extreme(&c.values(results, &members), &members, f64::lt)
         }));
     }
-    if let Some(baseline) = baseline {
-        rows.push(summary_row("baseline", &columns, |c| {
-            let value = first_seen(baseline.iter().map(|r| r.member.as_str()))
+    for (label, reference) in references {
+        rows.push(summary_row(label, &columns, |c| {
+            let value = first_seen(reference.iter().map(|r| r.member.as_str()))
                 .first()
-                .and_then(|m| c.value(baseline, m));
+                .and_then(|m| c.value(reference, m));
             value.map(percent)
         }));
     }

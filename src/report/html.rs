@@ -32,7 +32,7 @@ const PHASES: [&str; 7] = [
 /// Rows shown per event table.
 const EVENT_ROWS: usize = 100;
 
-const STYLE: &str = "
+pub(crate) const STYLE: &str = "
 body { font-family: 'DejaVu Sans', Verdana, Arial, sans-serif; color: #222; margin: 0; background: #f6f6f4; }
 main { max-width: 1000px; margin: 0 auto; padding: 16px 20px 48px; background: #fff; }
 h1 { font-size: 22px; margin: 8px 0 4px; } h2 { font-size: 17px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }

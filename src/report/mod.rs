@@ -26,6 +26,7 @@
 //! not depend on installed fonts.
 
 mod chart;
+pub mod experiment;
 mod figures;
 mod font;
 mod history;

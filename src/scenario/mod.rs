@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod experiment;
 mod source_map;
 mod validate;
 
@@ -37,6 +38,14 @@ pub struct Scenario {
     pub seed: u64,
     /// Total self-play steps, >= 1. Required.
     pub steps: u64,
+    /// Compute budget in TFLOP (forward and backward, as `metrics.jsonl`'s
+    /// `compute` counts it): the run ends at the step boundary nearest it
+    /// (once another step like the last would overshoot it by more than the
+    /// run now falls short), or after `steps`, whichever comes first.
+    /// Default: none. `populora experiment` sets a baseline's budget to its
+    /// population's spending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_tflop: Option<f64>,
     /// The frozen base model.
     #[serde(default)]
     pub model: ModelConfig,
@@ -633,6 +642,17 @@ impl From<ScriptedEvent> for EventToml {
 
 // ---------------------------------------------------------------- loading
 
+/// The text of a `what` file (scenario, experiment), or a read error naming it.
+fn read_file(path: &Path, what: &str) -> Result<String, ScenarioError> {
+    std::fs::read_to_string(path).map_err(|error| ScenarioError {
+        origin: path.display().to_string(),
+        line: None,
+        key: None,
+        kind: ErrorKind::Read,
+        message: format!("cannot read {what} file: {error}"),
+    })
+}
+
 impl Scenario {
     /// Reads and validates a scenario file. `check_operator` is the operator registry's
     /// verdict on an operator string (`Err` carries the reason); it sees every
@@ -642,15 +662,8 @@ impl Scenario {
         check_operator: impl Fn(&str) -> Result<(), String>,
     ) -> Result<Scenario, ScenarioError> {
         let path = path.as_ref();
-        let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|error| ScenarioError {
-            origin: origin.clone(),
-            line: None,
-            key: None,
-            kind: ErrorKind::Read,
-            message: format!("cannot read scenario file: {error}"),
-        })?;
-        Scenario::parse(&text, &origin, check_operator)
+        let text = read_file(path, "scenario")?;
+        Scenario::parse(&text, &path.display().to_string(), check_operator)
     }
 
     /// Parses and validates scenario text. `origin` names the text in errors (normally

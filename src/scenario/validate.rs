@@ -250,6 +250,14 @@ pub(super) fn validate(
         ));
     }
     v.range(scenario.steps >= 1, "steps", scenario.steps, "1..")?;
+    if let Some(budget) = scenario.budget_tflop {
+        v.range(
+            budget.is_finite() && budget > 0.0,
+            "budget_tflop",
+            budget,
+            "> 0",
+        )?;
+    }
     model(&v, scenario)?;
     lora(&v, scenario)?;
     population(&v, scenario)?;

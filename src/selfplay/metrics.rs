@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use super::{
     Episode, MemberId, Problem, ProposalResult, Settings, SolveResult, TrainBatch, Verdict,
 };
+use crate::base::ModelConfig;
+use crate::compute::Cost;
 use crate::rl::reward::solve_rate;
 use crate::task::{Role, TaskKind};
 
@@ -71,6 +73,9 @@ pub struct StepMetrics {
     pub train_tokens: BTreeMap<MemberId, usize>,
     /// Gradient norm before clipping, per member.
     pub grad_norm: BTreeMap<MemberId, f64>,
+    /// The step's compute: its generated and trained rows ([`Cost`]).
+    #[serde(default)]
+    pub compute: Cost,
 }
 
 impl StepMetrics {
@@ -78,6 +83,7 @@ impl StepMetrics {
     pub fn measure(
         step: u64,
         settings: &Settings,
+        config: &ModelConfig,
         proposals: &[ProposalResult],
         problems: &[Problem],
         solves: &[SolveResult],
@@ -151,9 +157,33 @@ impl StepMetrics {
             programs,
             tokens: token_metrics(settings, episodes),
             member_reward: member_means(episodes),
+            compute: cost(config, proposals, problems, solves, batch),
             ..Default::default()
         }
     }
+}
+
+/// The compute of a step's rows: every proposal and solve generated, every
+/// row trained.
+fn cost(
+    config: &ModelConfig,
+    proposals: &[ProposalResult],
+    problems: &[Problem],
+    solves: &[SolveResult],
+    batch: &TrainBatch,
+) -> Cost {
+    let proposed = proposals
+        .iter()
+        .map(|p| Cost::generation(config, p.job.tokens.len(), p.generation.tokens.len()));
+    let solved = solves.iter().map(|s| {
+        let prompt = problems[s.job.problem].tokens.len();
+        Cost::generation(config, prompt, s.generation.tokens.len())
+    });
+    let trained = batch.rows.iter().map(|r| {
+        let scored = r.loss_mask.iter().filter(|&&m| m).count();
+        Cost::training(config, r.tokens.len(), scored)
+    });
+    proposed.chain(solved).chain(trained).sum()
 }
 
 /// Proposed problems solved in some of their rollouts but not in all.

@@ -103,6 +103,7 @@ pub fn run_step(
     let mut metrics = StepMetrics::measure(
         ctx.step,
         ctx.settings,
+        &model.config,
         &proposals,
         &problems,
         &solves,

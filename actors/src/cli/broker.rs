@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use clap::Parser;
 use populora::base::{BaseModel, Message};
-use populora::compute::{self, AdapterSet, GenRequest, Sampling, TrainConfig, TrainRow};
+use populora::compute::{self, AdapterSet, Cost, GenRequest, Sampling, TrainConfig, TrainRow};
 use populora::keyed_stream;
 use populora::lora::{Adapter, LoraConfig};
 use rand::Rng;
@@ -104,16 +104,9 @@ pub fn matmul_gflops() -> anyhow::Result<f64> {
     Ok(2.0 * (m * k * n) as f64 / best / 1e9)
 }
 
-/// FLOPs of one train step: forward + input-gradient backward through the
-/// frozen linears (2 + 2 per multiply-add), attention, and the LM head at
-/// scored positions. LoRA's own FLOPs are small and not counted.
+/// FLOPs of one train step, as a run counts them ([`Cost::training`]).
 fn train_flops(base: &BaseModel, rows: usize, len: usize, scored: usize) -> f64 {
-    let cfg = base.config();
-    let head = cfg.hidden_size * cfg.vocab_size;
-    let linears = cfg.linear_params() - head;
-    let attention = 2 * cfg.num_layers * cfg.q_dim() * len; // q·kᵀ and p·v per token
-    let per_token = 4.0 * (linears + attention) as f64;
-    rows as f64 * (len as f64 * per_token + scored as f64 * 4.0 * head as f64)
+    rows as f64 * Cost::training(base.config(), len, scored).flops
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {

@@ -4,18 +4,23 @@
 //! writes `DIR/eval.json` for the report and `DIR/eval/samples-<member>.jsonl`
 //! for the official HumanEval harness.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use clap::Parser;
 use populora::base::{fetch, Message};
 use populora::compute::{generate, AdapterSet, GenRequest, Sampling};
-use populora::eval::{humaneval, humaneval_io, math, table, BenchmarkResult};
+use populora::eval::{humaneval, humaneval_io, math, table, BenchmarkResult, ItemRecord};
+use populora::grammar::Grammar;
 use populora::keyed_stream;
 use populora::lora::Adapter;
 use populora::scenario::{check_operator, Scenario};
+use populora::selfplay::Grammars;
+use populora::task::grammar::arity;
 use populora::task::{
-    parse_answer, solver_prompt, ChatPrompt, PromptConfig, SolverTask, TaskKind, Triplet,
+    parse_answer, solver_prompt, ChatPrompt, PromptConfig, Role, SolverTask, TaskKind, Triplet,
 };
 use populora::verify::{SandboxConfig, VerifierPool};
 
@@ -50,8 +55,60 @@ pub struct Args {
     /// Rows per generation batch.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
+    /// Also evaluate the untouched base model (no adapter), as the row "base model".
+    #[arg(long)]
+    pub base: bool,
+    /// Decode HumanEval-IO answers freely, even when the run decoded under
+    /// grammars (by default they follow the run's `selfplay.constrained`: the
+    /// solver grammar the members were trained under).
+    #[arg(long)]
+    pub free_decoding: bool,
     #[arg(long)]
     pub json: bool,
+}
+
+/// How an evaluation runs (the CLI's flags, or an experiment's `[eval]`).
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub benchmarks: String,
+    pub gsm8k: Option<PathBuf>,
+    pub math: Option<PathBuf>,
+    pub limit: usize,
+    pub samples: usize,
+    pub k: usize,
+    pub max_new_tokens: usize,
+    pub batch: usize,
+    /// Decode HumanEval-IO answers under the run's solver grammars (when it has them).
+    pub constrained: bool,
+}
+
+impl Args {
+    fn options(&self) -> Options {
+        Options {
+            benchmarks: self.benchmarks.clone(),
+            gsm8k: self.gsm8k.clone(),
+            math: self.math.clone(),
+            limit: self.limit,
+            samples: self.samples,
+            k: self.k,
+            max_new_tokens: self.max_new_tokens,
+            batch: self.batch,
+            constrained: !self.free_decoding,
+        }
+    }
+}
+
+/// Who is evaluated: a name and an adapter, or none for the base model.
+pub type Row = (String, Option<Adapter>);
+
+/// The name of the base model's row.
+pub const BASE_ROW: &str = "base model";
+
+/// Every row's summary per benchmark, and every answer.
+#[derive(Debug, Default)]
+pub struct Evaluation {
+    pub results: Vec<BenchmarkResult>,
+    pub items: Vec<ItemRecord>,
 }
 
 type Scorer = Box<dyn Fn(&VerifierPool, &str) -> anyhow::Result<bool>>;
@@ -64,6 +121,8 @@ struct Item {
     score: Scorer,
     /// HumanEval: the response as the official harness's `completion`.
     export: Option<Exporter>,
+    /// HumanEval-IO: the solver grammar its answer is decoded under.
+    grammar: Option<Arc<Grammar>>,
 }
 
 struct Benchmark {
@@ -75,46 +134,105 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let scenario = Scenario::from_file(args.dir.join("scenario.toml"), check_operator)?;
     let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
     let pool = VerifierPool::new(SandboxConfig::default())?;
-    let benchmarks = benchmarks(&args, &pool)?;
-    let members = members(&args.dir, "")?;
-    let baseline = match &args.baseline {
-        Some(dir) => members_of_baseline(dir)?,
-        None => Vec::new(),
-    };
-    let all: Vec<(String, Adapter)> = members
-        .into_iter()
-        .chain(baseline.iter().cloned())
-        .collect();
-    let mut results = Vec::new();
+    let mut rows = members(&args.dir, "")?;
+    if let Some(dir) = &args.baseline {
+        rows.extend(members(dir, "baseline/")?);
+    }
+    if args.base {
+        rows.push((BASE_ROW.to_string(), None));
+    }
+    let options = args.options();
+    let evaluation = evaluate_rows(&options, &engine, &pool, &rows, scenario.seed)?;
+    write(&args.dir, &evaluation)?;
+    let (members, baseline, base) = split_rows(evaluation.results);
+    if args.json {
+        let value =
+            serde_json::json!({ "members": members, "baseline": baseline, "base_model": base });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        let references = [
+            ("baseline", baseline.as_slice()),
+            (BASE_ROW, base.as_slice()),
+        ];
+        let references: Vec<_> = references
+            .into_iter()
+            .filter(|(_, r)| !r.is_empty())
+            .collect();
+        println!("{}", table(&members, &references));
+    }
+    Ok(())
+}
+
+/// Every row on every benchmark of `options`.
+pub fn evaluate_rows(
+    options: &Options,
+    engine: &Engine,
+    pool: &VerifierPool,
+    rows: &[Row],
+    seed: u64,
+) -> anyhow::Result<Evaluation> {
+    let benchmarks = benchmarks(options, engine, pool)?;
+    let mut evaluation = Evaluation::default();
     for bench in &benchmarks {
         eprintln!(
-            "{}: {} items × {} members",
+            "{}: {} items × {} rows",
             bench.name,
             bench.items.len(),
-            all.len()
+            rows.len()
         );
-        results.extend(evaluate(&args, &engine, &pool, bench, &all, scenario.seed)?);
+        let (results, items) = evaluate(options, engine, pool, bench, rows, seed)?;
+        evaluation.results.extend(results);
+        evaluation.items.extend(items);
     }
-    let (base, own): (Vec<_>, Vec<_>) = results
+    Ok(evaluation)
+}
+
+/// Results of the run's own members, of the baseline's (`baseline/...`) and
+/// of the base model.
+pub fn split_rows(
+    results: Vec<BenchmarkResult>,
+) -> (
+    Vec<BenchmarkResult>,
+    Vec<BenchmarkResult>,
+    Vec<BenchmarkResult>,
+) {
+    let (base, rest): (Vec<_>, Vec<_>) = results.into_iter().partition(|r| r.member == BASE_ROW);
+    let (baseline, members) = rest
         .into_iter()
         .partition(|r| r.member.starts_with("baseline/"));
-    std::fs::write(args.dir.join("eval.json"), serde_json::to_vec_pretty(&own)?)?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({ "members": own, "baseline": base }))?
-        );
-    } else {
-        println!(
-            "{}",
-            table(&own, (!base.is_empty()).then_some(base.as_slice()))
-        );
+    (members, baseline, base)
+}
+
+/// `DIR/eval.json` (the run's own rows, for the report), `DIR/eval/items.jsonl`
+/// (every answer) and `DIR/eval/samples-<row>.jsonl` (HumanEval, for the
+/// official harness).
+pub fn write(dir: &Path, evaluation: &Evaluation) -> anyhow::Result<()> {
+    let (own, _, _) = split_rows(evaluation.results.clone());
+    std::fs::write(dir.join("eval.json"), serde_json::to_vec_pretty(&own)?)?;
+    let out = dir.join("eval");
+    std::fs::create_dir_all(&out)?;
+    let mut lines = String::new();
+    for item in &evaluation.items {
+        lines.push_str(&serde_json::to_string(item)?);
+        lines.push('\n');
+    }
+    std::fs::write(out.join("items.jsonl"), lines)?;
+    let mut samples: BTreeMap<&str, Vec<(String, String)>> = BTreeMap::new();
+    for item in &evaluation.items {
+        if let Some(completion) = &item.completion {
+            let rows = samples.entry(item.member.as_str()).or_default();
+            rows.push((item.task_id.clone(), completion.clone()));
+        }
+    }
+    for (member, rows) in samples {
+        let file = out.join(format!("samples-{}.jsonl", member.replace(['/', ' '], "-")));
+        humaneval::write_samples_jsonl(&file, &rows)?;
     }
     Ok(())
 }
 
 /// The adapters under `DIR/members/*/adapter`, by member name.
-fn members(dir: &Path, prefix: &str) -> anyhow::Result<Vec<(String, Adapter)>> {
+pub fn members(dir: &Path, prefix: &str) -> anyhow::Result<Vec<Row>> {
     let root = dir.join("members");
     let mut names: Vec<String> = std::fs::read_dir(&root)
         .with_context(|| format!("{} has no members/ (is it a run directory?)", dir.display()))?
@@ -135,16 +253,16 @@ fn members(dir: &Path, prefix: &str) -> anyhow::Result<Vec<(String, Adapter)>> {
             let (adapter, _) =
                 Adapter::load(&root.join(&n).join("adapter"), &candle_core::Device::Cpu)
                     .with_context(|| format!("loading member {n}"))?;
-            Ok((format!("{prefix}{n}"), adapter))
+            Ok((format!("{prefix}{n}"), Some(adapter)))
         })
         .collect()
 }
 
-fn members_of_baseline(dir: &Path) -> anyhow::Result<Vec<(String, Adapter)>> {
-    members(dir, "baseline/")
-}
-
-fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>> {
+fn benchmarks(
+    args: &Options,
+    engine: &Engine,
+    pool: &VerifierPool,
+) -> anyhow::Result<Vec<Benchmark>> {
     let mut out = Vec::new();
     let limit = |n: usize| {
         if args.limit == 0 {
@@ -182,6 +300,7 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
                             export: Some(Box::new(move |response| {
                                 humaneval::completion_from_response(&q, response)
                             })),
+                            grammar: None,
                         }
                     })
                     .collect();
@@ -192,7 +311,11 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
                 eprintln!("humaneval-io: {:?}", set.stats);
                 for kind in [humaneval_io::IoKind::Output, humaneval_io::IoKind::Input] {
                     let chosen: Vec<_> = set.items.iter().filter(|i| i.kind == kind).cloned().collect();
-                    let items = chosen[..limit(chosen.len())].iter().map(io_item).collect::<anyhow::Result<_>>()?;
+                    let grammars = args.constrained.then_some(engine.grammars.as_ref());
+                    let items = chosen[..limit(chosen.len())]
+                        .iter()
+                        .map(|i| io_item(i, grammars))
+                        .collect::<anyhow::Result<_>>()?;
                     let name = match kind {
                         humaneval_io::IoKind::Output => "humaneval-io-output",
                         humaneval_io::IoKind::Input => "humaneval-io-input",
@@ -212,6 +335,7 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
                 Item {
                     id: String::new(),
                     export: None,
+                    grammar: None,
                     chat: math::gsm8k_prompt(&p),
                     score: Box::new(move |_, response| Ok(math::score_gsm8k(&p, response))),
                 }
@@ -231,6 +355,7 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
                 Item {
                     id: String::new(),
                     export: None,
+                    grammar: None,
                     chat: math::math_prompt(&p),
                     score: Box::new(move |_, response| Ok(math::score_math(&p, response))),
                 }
@@ -244,8 +369,9 @@ fn benchmarks(args: &Args, pool: &VerifierPool) -> anyhow::Result<Vec<Benchmark>
     Ok(out)
 }
 
-/// A HumanEval-IO item in the self-play solver format, scored by AZR's rules.
-fn io_item(item: &humaneval_io::IoItem) -> anyhow::Result<Item> {
+/// A HumanEval-IO item in the self-play solver format, scored by AZR's
+/// rules; its answer is decoded under the solver grammar when `grammars` has it.
+fn io_item(item: &humaneval_io::IoItem, grammars: Option<&Grammars>) -> anyhow::Result<Item> {
     let triplet = Triplet {
         program: item.program.clone(),
         input: item.input.clone(),
@@ -258,10 +384,16 @@ fn io_item(item: &humaneval_io::IoItem) -> anyhow::Result<Item> {
         humaneval_io::IoKind::Input => (SolverTask::Abduction(triplet), TaskKind::Abduction),
     };
     let prompt = solver_prompt(&task, &PromptConfig::default(), &|_| 0)?;
+    let arity = match kind {
+        TaskKind::Abduction => arity(&item.program),
+        _ => None,
+    };
+    let grammar = grammars.and_then(|g| g.get(kind, Role::Solver, arity));
     let item = item.clone();
     Ok(Item {
         id: item.task_id.clone(),
         export: None,
+        grammar,
         chat: prompt.chat,
         score: Box::new(move |pool, response| match parse_answer(kind, response) {
             Ok(answer) => Ok(humaneval_io::score(pool, &item, answer.text())?),
@@ -270,21 +402,24 @@ fn io_item(item: &humaneval_io::IoItem) -> anyhow::Result<Item> {
     })
 }
 
-/// Every member answers every item `samples` times; rows of different
-/// members share batches (the multi-adapter engine).
+/// Every row answers every item `samples` times; rows of different members
+/// share batches (the multi-adapter engine).
 fn evaluate(
-    args: &Args,
+    args: &Options,
     engine: &Engine,
     pool: &VerifierPool,
     bench: &Benchmark,
-    members: &[(String, Adapter)],
+    rows: &[Row],
     seed: u64,
-) -> anyhow::Result<Vec<BenchmarkResult>> {
+) -> anyhow::Result<(Vec<BenchmarkResult>, Vec<ItemRecord>)> {
     let tokenizer = &engine.tokenizer;
-    let set = members
-        .iter()
-        .enumerate()
-        .fold(AdapterSet::new(), |s, (i, (_, a))| s.with(i as u64, a));
+    let set =
+        rows.iter()
+            .enumerate()
+            .fold(AdapterSet::new(), |set, (i, (_, adapter))| match adapter {
+                Some(a) => set.with(i as u64, a),
+                None => set,
+            });
     let prompts: Vec<Vec<u32>> = bench
         .items
         .iter()
@@ -303,55 +438,60 @@ fn evaluate(
     } else {
         Sampling::GREEDY
     };
-    let mut rows = Vec::new();
-    for m in 0..members.len() {
-        for i in 0..bench.items.len() {
-            for s in 0..args.samples.max(1) {
-                rows.push((m, i, s));
-            }
-        }
-    }
-    let mut correct = vec![vec![0usize; bench.items.len()]; members.len()];
-    let mut samples_out: Vec<Vec<(String, String)>> = vec![Vec::new(); members.len()];
-    for chunk in rows.chunks(args.batch.max(1)) {
+    let n = args.samples.max(1);
+    let jobs: Vec<(usize, usize, usize)> = (0..rows.len())
+        .flat_map(|m| (0..bench.items.len()).flat_map(move |i| (0..n).map(move |s| (m, i, s))))
+        .collect();
+    // A grammar's worst case fits the run's reply budget.
+    let constrained_budget = engine.settings.max_new_tokens.max(args.max_new_tokens);
+    let mut correct = vec![vec![0usize; bench.items.len()]; rows.len()];
+    let mut records = Vec::with_capacity(jobs.len());
+    for chunk in jobs.chunks(args.batch.max(1)) {
         let requests = chunk
             .iter()
-            .map(|&(m, i, s)| GenRequest {
-                adapter: Some(m as u64),
-                prompt: prompts[i].clone(),
-                max_new_tokens: args.max_new_tokens,
-                stop: tokenizer.stop_ids.clone(),
-                sampling,
-                rng: keyed_stream!(seed, "eval", bench.name.as_str(), m, i, s),
-                grammar: None,
+            .map(|&(m, i, s)| {
+                let grammar = bench.items[i].grammar.clone();
+                GenRequest {
+                    adapter: rows[m].1.as_ref().map(|_| m as u64),
+                    prompt: prompts[i].clone(),
+                    max_new_tokens: match grammar {
+                        Some(_) => constrained_budget,
+                        None => args.max_new_tokens,
+                    },
+                    stop: tokenizer.stop_ids.clone(),
+                    sampling,
+                    rng: keyed_stream!(seed, "eval", bench.name.as_str(), m, i, s),
+                    grammar,
+                }
             })
             .collect();
         let generations = generate(&engine.model, &set, requests)?;
-        for (&(m, i, _), g) in chunk.iter().zip(generations) {
+        for (&(m, i, s), g) in chunk.iter().zip(generations) {
             let text = tokenizer.decode(&g.tokens)?;
             let text = text.trim_end_matches("<|im_end|>");
-            correct[m][i] += usize::from((bench.items[i].score)(pool, text)?);
-            if let Some(export) = &bench.items[i].export {
-                samples_out[m].push((bench.items[i].id.clone(), export(text)));
-            }
+            let item = &bench.items[i];
+            let passed = (item.score)(pool, text)?;
+            correct[m][i] += usize::from(passed);
+            records.push(ItemRecord {
+                benchmark: bench.name.clone(),
+                task_id: item.id.clone(),
+                item: i,
+                member: rows[m].0.clone(),
+                sample: s,
+                passed,
+                response: text.to_string(),
+                completion: item.export.as_ref().map(|export| export(text)),
+            });
         }
     }
-    if bench.items.iter().any(|i| i.export.is_some()) {
-        let dir = args.dir.join("eval");
-        std::fs::create_dir_all(&dir)?;
-        for (m, (name, _)) in members.iter().enumerate() {
-            let file = dir.join(format!("samples-{}.jsonl", name.replace('/', "-")));
-            humaneval::write_samples_jsonl(&file, &samples_out[m])?;
-        }
-    }
-    let n = args.samples.max(1);
     let k = (n > 1).then_some(args.k.min(n));
-    Ok(members
+    let results = rows
         .iter()
         .enumerate()
         .map(|(m, (name, _))| {
             let counts: Vec<(usize, usize)> = correct[m].iter().map(|&c| (n, c)).collect();
             BenchmarkResult::from_counts(&bench.name, name, &counts, k)
         })
-        .collect())
+        .collect();
+    Ok((results, records))
 }

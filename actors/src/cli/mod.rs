@@ -6,6 +6,7 @@ pub mod ctl;
 pub mod eval;
 pub mod evolve;
 pub mod exec;
+pub mod experiment;
 pub mod export;
 pub mod fetch;
 pub mod generate;

@@ -28,15 +28,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 pub fn print_summary(summary: &crate::runtime::coordinator::Summary, out: &std::path::Path) {
-    let how = if summary.stopped_early {
-        "stopped"
-    } else {
-        "finished"
+    let how = match (summary.budget_reached, summary.stopped_early) {
+        (true, _) => "finished (compute budget spent)",
+        (false, true) => "stopped",
+        (false, false) => "finished",
     };
     println!(
-        "{how} after {} steps in {:.1}s; {} members; run directory {}",
+        "{how} after {} steps in {:.1}s, {:.1} TFLOP; {} members; run directory {}",
         summary.steps,
         summary.wall_s,
+        summary.spent.flops / 1e12,
         summary.checksums.len(),
         out.display()
     );

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use populora::compute::TrainRow;
+use populora::compute::{Cost, TrainRow};
 use populora::rating::{match_teachers, record_problem, MatchConfig, Player, TrueSkillConfig};
 use populora::scenario::{EventAction, Mode, Scenario};
 use populora::selfplay::{
@@ -44,7 +44,11 @@ const RESTART_WINDOW: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub steps: u64,
+    /// Ended before its last step: stopped, or its compute budget spent.
     pub stopped_early: bool,
+    pub budget_reached: bool,
+    /// Compute spent over the whole run.
+    pub spent: Cost,
     pub checksums: BTreeMap<String, String>,
     pub wall_s: f64,
 }
@@ -256,7 +260,7 @@ fn publish(state: &State, phase: &str) {
 /// Run the next step (with retries); `Ok(false)` when the run is over.
 async fn step(state: &mut State) -> anyhow::Result<bool> {
     let s = state.args.league.step + 1;
-    if s > state.args.last_step || state.stop {
+    if s > state.args.last_step || state.stop || budget_spent(state) {
         return Ok(false);
     }
     let commands = gather_commands(state, s).await;
@@ -313,6 +317,19 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
             }
         }
     }
+}
+
+/// Whether the run has spent its compute budget (`budget_tflop`): it ends
+/// at the step boundary nearest the budget, that is once another step like
+/// the last would take it further past the budget than it now falls short.
+fn budget_spent(state: &State) -> bool {
+    let league = &state.args.league;
+    let (spent, last) = (league.spent.flops, league.last_spent.flops);
+    state
+        .args
+        .scenario
+        .budget_tflop
+        .is_some_and(|budget| spent + last / 2.0 >= budget * 1e12)
 }
 
 /// Commands for step `s`: the scenario's events, scheduled ones (replay,
@@ -501,6 +518,7 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     let mut metrics = StepMetrics::measure(
         s,
         &engine.settings,
+        &engine.model.config,
         &proposals,
         &problems,
         &solves,
@@ -516,6 +534,8 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
             metrics.train_tokens.insert(id, stats.tokens);
         }
     }
+    state.args.league.spent.add(metrics.compute);
+    state.args.league.last_spent = metrics.compute;
     let league = &mut state.args.league;
     for (&id, &reward) in &metrics.member_reward {
         league.rewards.entry(id).or_default().push((s, reward));
@@ -922,6 +942,8 @@ async fn end(state: &mut State) -> anyhow::Result<Summary> {
     Ok(Summary {
         steps: s,
         stopped_early: s < state.args.last_step,
+        budget_reached: budget_spent(state),
+        spent: state.args.league.spent,
         checksums,
         wall_s: state.started.elapsed().as_secs_f64(),
     })

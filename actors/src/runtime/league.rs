@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use populora::compute::Cost;
 use populora::rating::Rating;
 use populora::scenario::{Fitness, Mode, Role, Scenario};
 use populora::selfplay::MemberId;
@@ -66,6 +67,11 @@ pub struct League {
     pub checksums: BTreeMap<MemberId, String>,
     pub journal_lines: usize,
     pub metrics_lines: usize,
+    /// Compute spent by the completed steps, and by the last of them.
+    #[serde(default)]
+    pub spent: Cost,
+    #[serde(default)]
+    pub last_spent: Cost,
 }
 
 impl League {
@@ -83,6 +89,8 @@ impl League {
             checksums: BTreeMap::new(),
             journal_lines: 0,
             metrics_lines: 0,
+            spent: Cost::default(),
+            last_spent: Cost::default(),
         };
         let p = &scenario.population;
         match p.mode {

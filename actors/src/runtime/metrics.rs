@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use populora::compute::Cost;
 use populora::rating::{Rating, TrueSkillConfig};
 use populora::scenario::Scenario;
 use populora::selfplay::{GroupMetrics, MemberId, ProposalCounts, StepMetrics, TokenMetrics};
@@ -45,6 +46,9 @@ pub struct Line {
     pub solver_format_errors: BTreeMap<TaskKind, Option<f64>>,
     pub programs: Vec<ProgramLine>,
     pub tokens: TokenMetrics,
+    /// This step's compute, and the run's so far.
+    pub compute: Cost,
+    pub compute_total: Cost,
 }
 
 pub fn line(league: &League, scenario: &Scenario, m: &StepMetrics, wall_ms: f64) -> Line {
@@ -88,5 +92,7 @@ pub fn line(league: &League, scenario: &Scenario, m: &StepMetrics, wall_ms: f64)
             })
             .collect(),
         tokens: m.tokens.clone(),
+        compute: m.compute,
+        compute_total: league.spent,
     }
 }

@@ -1,0 +1,172 @@
+//! Experiment files (`experiments/*.toml`): a population scenario and a
+//! single-adapter baseline scenario, run on the same compute budget and
+//! evaluated side by side (`populora experiment`).
+//!
+//! ```toml
+//! name = "quick"                       # default: the file stem
+//! population = "quick-population.toml" # a population-mode scenario, relative to this file
+//! baseline = "quick-baseline.toml"     # a solo-mode scenario; its budget is set to
+//!                                      # what the population spent, its `steps` bound it
+//! [eval]
+//! benchmarks = ["humaneval", "humaneval-io"]
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::source_map::SourceMap;
+use super::{validate, ErrorKind, Mode, Scenario, ScenarioError};
+
+/// How far the baseline's compute may be from the population's: 5 %.
+pub const MATCH_TOLERANCE: f64 = 0.05;
+
+/// An experiment file as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Experiment {
+    /// Experiment name. Default: the file's stem.
+    #[serde(default)]
+    pub name: String,
+    /// The population's scenario file (population mode), relative to this file.
+    pub population: PathBuf,
+    /// The baseline's scenario file (solo mode), relative to this file. Its
+    /// `steps` is an upper bound: the run ends when it has spent what the
+    /// population spent.
+    pub baseline: PathBuf,
+    /// What every row is evaluated on.
+    #[serde(default)]
+    pub eval: ExperimentEval,
+}
+
+/// `[eval]`: what every row is evaluated on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ExperimentEval {
+    /// Benchmarks: `humaneval` (pass@1 greedy, or pass@k), `humaneval-io`
+    /// (output and input prediction, answers decoded as in self-play).
+    /// Default: both.
+    pub benchmarks: Vec<String>,
+    /// Items per benchmark, 0 = all. Default: 0.
+    pub limit: usize,
+    /// Samples per item: 1 = greedy pass@1; more adds pass@k at temperature 0.8. Default: 1.
+    pub samples: usize,
+    /// k of pass@k, <= samples. Default: 10.
+    pub k: usize,
+    /// Longest answer, tokens. Default: 384.
+    pub max_new_tokens: usize,
+    /// Rows per generation batch. Default: 32.
+    pub batch: usize,
+    /// Paired-bootstrap resamples for the intervals, >= 100. Default: 10000.
+    pub bootstrap: usize,
+}
+
+impl Default for ExperimentEval {
+    fn default() -> Self {
+        ExperimentEval {
+            benchmarks: vec!["humaneval".into(), "humaneval-io".into()],
+            limit: 0,
+            samples: 1,
+            k: 10,
+            max_new_tokens: 384,
+            batch: 32,
+            bootstrap: 10_000,
+        }
+    }
+}
+
+/// An experiment with its two scenarios read and checked.
+#[derive(Debug, Clone)]
+pub struct LoadedExperiment {
+    /// The file as written (with its name resolved).
+    pub experiment: Experiment,
+    /// The population's scenario.
+    pub population: Scenario,
+    /// The baseline's scenario, before its budget is set.
+    pub baseline: Scenario,
+}
+
+impl Experiment {
+    /// Reads an experiment file and the two scenario files it names. Errors
+    /// name the file, the line and the key, as scenario errors do.
+    pub fn from_file(
+        path: &Path,
+        check_operator: impl Fn(&str) -> Result<(), String> + Copy,
+    ) -> Result<LoadedExperiment, ScenarioError> {
+        let origin = path.display().to_string();
+        let text = super::read_file(path, "experiment")?;
+        let map = SourceMap::build(&text).unwrap_or_else(|_| SourceMap::lines_only(&text));
+        let mut experiment: Experiment =
+            toml::from_str(&text).map_err(|error| match text.parse::<toml::Table>() {
+                Err(syntax) => validate::syntax_error(&syntax, &map, &origin),
+                Ok(_) => validate::schema_error(&error, &map, &origin),
+            })?;
+        if experiment.name.is_empty() {
+            experiment.name = path
+                .file_stem()
+                .map_or("experiment".into(), |s| s.to_string_lossy().into_owned());
+        }
+        let fail = |key: &str, message: String| ScenarioError {
+            origin: origin.clone(),
+            line: map.line_of_key(key),
+            key: Some(key.to_string()),
+            kind: ErrorKind::Invalid,
+            message,
+        };
+        experiment.check_eval().map_err(|(key, m)| fail(key, m))?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let population = Scenario::from_file(dir.join(&experiment.population), check_operator)?;
+        let baseline = Scenario::from_file(dir.join(&experiment.baseline), check_operator)?;
+        if population.population.mode != Mode::Population {
+            let why = "population must name a scenario with population.mode = \"population\"";
+            return Err(fail("population", why.into()));
+        }
+        if baseline.population.mode != Mode::Solo {
+            let why = "baseline must name a scenario with population.mode = \"solo\"";
+            return Err(fail("baseline", why.into()));
+        }
+        if population.model != baseline.model {
+            let why = "the population and the baseline must use the same [model]";
+            return Err(fail("baseline", why.into()));
+        }
+        Ok(LoadedExperiment {
+            experiment,
+            population,
+            baseline,
+        })
+    }
+
+    /// `[eval]`'s ranges; `Err((key, message))`.
+    fn check_eval(&self) -> Result<(), (&'static str, String)> {
+        let e = &self.eval;
+        let known = ["humaneval", "humaneval-io"];
+        if e.benchmarks.is_empty() || e.benchmarks.iter().any(|b| !known.contains(&b.as_str())) {
+            let message = format!(
+                "eval.benchmarks = {:?}: allowed a non-empty list of {known:?}",
+                e.benchmarks
+            );
+            return Err(("eval.benchmarks", message));
+        }
+        let checks = [
+            ("eval.samples", e.samples >= 1, "1.."),
+            (
+                "eval.k",
+                e.k >= 1 && (e.samples == 1 || e.k <= e.samples),
+                "1..=samples",
+            ),
+            (
+                "eval.max_new_tokens",
+                (16..=4096).contains(&e.max_new_tokens),
+                "16..=4096",
+            ),
+            ("eval.batch", e.batch >= 1, "1.."),
+            ("eval.bootstrap", e.bootstrap >= 100, "100.."),
+        ];
+        match checks.iter().find(|(_, ok, _)| !ok) {
+            Some((key, _, allowed)) => {
+                Err((key, format!("{key} is out of range (allowed {allowed})")))
+            }
+            None => Ok(()),
+        }
+    }
+}
