@@ -271,6 +271,10 @@ fn replies_close_where_the_model_closes_them() {
         ("```python\ndef f(a, b):\n    return a\n```\n```input\n1\n```", false),
         ("```python\ndef f(a):\n    return a\nprint(1)\n```\n```input\n1\n```", false),
         ("```python\ndef f(a):\n    return a\n```\n```input\n'a\nb'\n```", false),
+        // A tag the parsers look for, inside the code.
+        ("```python\ndef f(a):\n    return '<answer>' + a\n```\n```input\n'x'\n```", false),
+        ("```python\ndef f(a):\n    return a  # </think>\n```\n```input\n'x'\n```", false),
+        ("```python\ndef f(a):\n    return a < 3 and a > 1\n```\n```input\n2\n```", true),
     ];
     for (text, ok) in cases {
         assert_eq!(allows(&proposer, &tokenizer, text), ok, "{text:?}");

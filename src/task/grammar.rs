@@ -297,17 +297,20 @@ fn code_tokens(tokens: usize) -> Option<usize> {
 
 /// A function body of at most `tokens` tokens: the first line indented by
 /// four spaces, every other line empty or indented; no backtick (the body
-/// cannot close its fence) and no control character but the tab. Each line
-/// is a terminal of a nested grammar: the lexer is greedy, so a body that was
-/// one terminal could always go on with another line and never let the
-/// closing fence start; and the token bound sits on the nested grammar, whose
-/// every prefix is complete, so the fence can follow wherever the bound falls.
+/// cannot close its fence), no control character but the tab, and no
+/// `<answer>`, `</answer>` or `</think>` (the parsers find a reply's parts by
+/// those tags). Each line is a terminal of a nested grammar: the lexer is
+/// greedy, so a body that was one terminal could always go on with another
+/// line and never let the closing fence start; and the token bound sits on
+/// the nested grammar, whose every prefix is complete, so the fence can
+/// follow wherever the bound falls.
 fn code_rule(tokens: usize) -> String {
     format!(
         r#"body[max_tokens={tokens}]: %lark {{
 start: FIRST LINE*
-FIRST: /    [^\x00-\x08\x0a-\x1f\x7f`]*/
-LINE: /\n( [^\x00-\x08\x0a-\x1f\x7f`]*)?/
+FIRST: /    [^\x00-\x08\x0a-\x1f\x7f`]*/ & ~TAGGED
+LINE: /\n( [^\x00-\x08\x0a-\x1f\x7f`]*)?/ & ~TAGGED
+TAGGED: /(?s:.*)(<\/?answer>|<\/think>)(?s:.*)/
 }}
 "#
     )
