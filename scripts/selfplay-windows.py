@@ -28,7 +28,8 @@ def windows(rows, every):
                          - min(m["rating"]["mu"] for m in d["members"]) for d in part)
         sigma = st.mean(m["rating"]["sigma"] for m in part[-1]["members"])
         solve = " / ".join(fmt(solve_rates(part, k)) for k in KINDS)
-        print(f"| {part[0]['step']}–{part[-1]['step']} | {valid}/{total} ({valid / max(total, 1):.0%}) "
+        steps = f"{part[0]['step']}" if len(part) == 1 else f"{part[0]['step']}–{part[-1]['step']}"
+        print(f"| {steps} | {valid}/{total} ({valid / max(total, 1):.0%}) "
               f"| {learnable:.2f} | {solve} | {st.mean(p['ast_nodes'] for p in progs):.1f} "
               f"| {st.mean(p['cyclomatic'] for p in progs):.2f} | {spread:.1f} | {sigma:.2f} "
               f"| {st.median(d['wall_ms'] / 1000 for d in part):.0f} |")
