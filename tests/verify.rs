@@ -3,6 +3,7 @@
 //! the sandbox uid, which a concurrently running pool would also own.
 
 use populora::verify::{Job, Layer, Limits, Outcome, SandboxConfig, Status, VerifierPool};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -39,10 +40,26 @@ fn is_root() -> bool {
 /// (a program's processes descend from a zygote, never from us).
 fn sandbox_processes(uid: u32) -> Vec<u32> {
     let me = std::process::id();
-    processes()
+    let all: BTreeMap<u32, Process> = processes().map(|p| (p.pid, p)).collect();
+    all.values()
         .filter(|p| p.field("Uid:") == Some(uid) && p.field("PPid:") != Some(me))
+        .filter(|p| !matches!(owner(p, &all, uid), Some(o) if o != me && o != 1))
         .map(|p| p.pid)
         .collect()
+}
+
+/// The nearest ancestor of `p` that does not run as `uid`: this test, init
+/// (an escaped process is re-parented there), or another program's sandbox
+/// owner (a run on the same machine), whose processes are not this test's.
+fn owner(p: &Process, all: &BTreeMap<u32, Process>, uid: u32) -> Option<u32> {
+    let mut current = p;
+    loop {
+        let parent = all.get(&current.field("PPid:")?)?;
+        if parent.field("Uid:") != Some(uid) {
+            return Some(parent.pid);
+        }
+        current = parent;
+    }
 }
 
 /// A process in /proc: its pid and its `status` file.

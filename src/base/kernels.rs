@@ -904,13 +904,13 @@ mod tests {
         Tensor::randn(0f64, 1.0, shape, &Device::Cpu).unwrap()
     }
 
-    /// `∂(Σ f(x)⊙w)/∂x` through candle's plain ops.
     /// The plain softmax at temperature 1.
     const FREE: Policy<'static> = Policy {
         mask: None,
         inv_temperature: 1.0,
     };
 
+    /// `∂(Σ f(x)⊙w)/∂x` through candle's plain ops.
     fn plain_grad(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
         let var = Var::from_tensor(x).unwrap();
         let y = f(var.as_tensor());

@@ -8,9 +8,13 @@
 //! the keys each token is scored against (generation, with its KV cache:
 //! the keys so far; training: the whole masked square), and the LM head
 //! where logits are formed (each generated token; each scored token in
-//! training). Training counts the forward and the input-gradient backward
-//! (twice the forward). LoRA's own multiply-adds are a few percent of these
-//! and are not counted.
+//! training). A trained token counts its forward and an input-gradient
+//! backward of the same size (the base is frozen: no weight gradients), so
+//! twice the forward's FLOPs. Attention's backward really costs about twice
+//! its forward (dQ, dK, dP, dV); counting it like the forward leaves out
+//! roughly 5 % of a SmolLM2 training step at a few hundred tokens. LoRA's own
+//! multiply-adds are a few percent and are not counted either. Both sides of
+//! an experiment are counted by the same rule, so the match holds.
 
 use serde::{Deserialize, Serialize};
 

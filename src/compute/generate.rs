@@ -94,6 +94,9 @@ pub enum StopReason {
     StopToken,
     MaxTokens,
     ContextFull,
+    /// The row's grammar failed (an llguidance error): the row ends where it
+    /// was, its reply unfinished, and the batch's other rows go on.
+    GrammarFailed,
 }
 
 /// How a generated token was chosen.
@@ -137,9 +140,12 @@ pub struct DecodeStats {
     pub passes: usize,
     /// Wall time of the model passes.
     pub model_ms: f64,
-    /// Wall time of sampling and of the grammars' masks (rows in parallel).
+    /// Wall time of sampling and of the grammars' masks (rows in parallel),
+    /// the grammars' work before the prefill included.
     pub pick_ms: f64,
-    /// Of that, the grammars' share: wall time of the mask work.
+    /// Of that, the grammars' share: wall time of the mask work (before the
+    /// prefill: measured; per pass: the rows' summed mask time over the
+    /// threads that could run them at once).
     pub mask_ms: f64,
     pub sampled_tokens: usize,
     pub forced_tokens: usize,
@@ -198,8 +204,9 @@ pub fn generate_with_stats(
         .collect();
     // The grammars' first forced tokens, before the prefill.
     let started = Instant::now();
-    rows.par_iter_mut().try_for_each(|r| r.start(context))?;
+    rows.par_iter_mut().for_each(|r| r.start(context));
     stats.mask_ms += ms(started);
+    stats.pick_ms += ms(started);
     // Group rows by adapter (stable: ties keep request order).
     rows.sort_by_key(|r| (r.request.adapter, r.index));
     let (mut active, mut finished): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|r| !r.done);
@@ -230,7 +237,7 @@ pub fn generate_with_stats(
         stats.model_ms += ms(started);
 
         let started = Instant::now();
-        stats.mask_ms += pick_all(&mut active, logits, context)?;
+        stats.mask_ms += pick_all(&mut active, logits, context);
         stats.pick_ms += ms(started);
         if active.iter().any(|r| r.done) {
             let keep: Vec<u32> = (0..active.len() as u32)
@@ -266,15 +273,18 @@ fn take_feed(active: &mut [Row], width: usize) -> Vec<u32> {
 /// Every row whose feed the pass used up picks its next token, rows in
 /// parallel (each from its own stream, so the order of work does not
 /// matter). Returns the mask work's share of the wall time: the rows' summed
-/// mask time over the threads that ran them.
-fn pick_all(active: &mut [Row], logits: Vec<Vec<f32>>, context: usize) -> Result<f64> {
+/// mask time over the threads that could run them at once (no more threads
+/// than picking rows).
+fn pick_all(active: &mut [Row], logits: Vec<Vec<f32>>, context: usize) -> f64 {
+    let picking = active.iter().filter(|r| r.feed.is_empty()).count();
     let mask_ms: f64 = active
         .par_iter_mut()
         .zip(logits)
         .filter(|(r, _)| r.feed.is_empty())
         .map(|(r, logits)| r.pick(logits, context))
-        .try_reduce(|| 0.0, |a, b| Ok(a + b))?;
-    Ok(mask_ms / rayon::current_num_threads() as f64)
+        .sum();
+    let threads = rayon::current_num_threads().min(picking).max(1);
+    mask_ms / threads as f64
 }
 
 /// The finished rows' generations in request order, counted into `stats`.
@@ -352,17 +362,16 @@ impl Row {
 
     /// The grammar's first forced tokens (they join the prompt in the
     /// prefill) and the first mask.
-    fn start(&mut self, context: usize) -> Result<()> {
-        if self.done {
-            return Ok(());
+    fn start(&mut self, context: usize) {
+        if !self.done {
+            self.advance(context);
         }
-        self.advance(context)
     }
 
     /// Sample the next token from this pass's last logits (masked for a
     /// constrained row), then take what the grammar forces after it.
     /// Returns the milliseconds spent on the grammar.
-    fn pick(&mut self, mut logits: Vec<f32>, context: usize) -> Result<f64> {
+    fn pick(&mut self, mut logits: Vec<f32>, context: usize) -> f64 {
         let pick = match self.mask.take() {
             Some(mask) => {
                 mask.apply(&mut logits, f32::NEG_INFINITY);
@@ -381,41 +390,44 @@ impl Row {
         let logprob = kernels::log_softmax_at(&logits, token as usize);
         self.push(token, logprob, pick, context);
         if self.done {
-            return Ok(0.0);
+            return 0.0;
         }
         self.feed.push(token);
         let started = Instant::now();
         if let Some(constraint) = &mut self.constraint {
-            let committed = constraint.commit(token);
-            committed.map_err(|e| grammar_error(self.index, e))?;
-            self.advance(context)?;
+            match constraint.commit(token) {
+                Ok(()) => self.advance(context),
+                Err(_) => self.end(StopReason::GrammarFailed),
+            }
         }
-        Ok(ms(started))
+        ms(started)
+    }
+
+    fn end(&mut self, reason: StopReason) {
+        self.out.stop = reason;
+        self.done = true;
+        self.feed.clear();
     }
 
     /// Append the grammar's forced tokens and keep the mask that follows.
-    fn advance(&mut self, context: usize) -> Result<()> {
+    fn advance(&mut self, context: usize) {
         let Some(constraint) = &mut self.constraint else {
-            return Ok(());
+            return;
         };
-        let step = constraint
-            .advance()
-            .map_err(|e| grammar_error(self.index, e))?;
+        let Ok(step) = constraint.advance() else {
+            return self.end(StopReason::GrammarFailed);
+        };
         for token in step.forced {
             self.push(token, 0.0, Pick::Forced, context);
             if self.done {
-                return Ok(());
+                return;
             }
             self.feed.push(token);
         }
         match step.next {
             Next::Sample(mask) => self.mask = Some(mask),
-            Next::Finished => {
-                self.out.stop = StopReason::StopToken;
-                self.done = true;
-            }
+            Next::Finished => self.end(StopReason::StopToken),
         }
-        Ok(())
     }
 
     /// Record a token and whether the row ends with it.
@@ -438,13 +450,6 @@ impl Row {
             self.out.stop = stop;
             self.done = true;
         }
-    }
-}
-
-fn grammar_error(row: usize, e: crate::grammar::Error) -> Error {
-    Error::BadRow {
-        row,
-        reason: e.to_string(),
     }
 }
 
@@ -492,7 +497,9 @@ pub fn sample_token(logits: &[f32], sampling: Sampling, rng: &mut impl Rng) -> u
             return i as u32;
         }
     }
-    *candidates.last().unwrap_or(&0) as u32
+    // Rounding can leave `u` just above 0: take the last token that had weight.
+    let last = candidates.iter().rev().find(|&&i| weights[i] > 0.0);
+    *last.unwrap_or(&candidates[0]) as u32
 }
 
 fn argmax(logits: &[f32]) -> u32 {

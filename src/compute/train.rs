@@ -188,7 +188,11 @@ fn by_adapter<K: Ord + Copy>(keys: &[K]) -> Vec<usize> {
     order
 }
 
-/// Per-token log-probabilities; `result[i][j]` is for `rows[i].tokens[score_from + j]`.
+/// Per-token log-probabilities of the free softmax at temperature 1;
+/// `result[i][j]` is for `rows[i].tokens[score_from + j]`. For rows sampled
+/// under a grammar mask or another temperature these are not the policy's
+/// log-probs ([`super::Generation::logprobs`] and the train step use the
+/// masked, tempered distribution).
 pub fn logprobs(
     model: &Llama,
     adapters: &AdapterSet,
@@ -262,9 +266,6 @@ fn check_train_row(i: usize, r: &TrainRow, vocab: usize) -> Result<()> {
     }
     if r.loss_mask.first() == Some(&true) {
         return bad("loss_mask[0] is set, but the first token has no prefix".into());
-    }
-    if !(r.temperature.is_finite() && r.temperature > 0.0) {
-        return bad(format!("temperature {} is not positive", r.temperature));
     }
     if let Some(t) = (0..n).find(|&t| {
         r.loss_mask[t] && !(r.advantages[t].is_finite() && r.old_logprobs[t].is_finite())

@@ -80,25 +80,68 @@ pub fn paired_bootstrap(
     resamples: usize,
     rng: &mut impl Rng,
 ) -> Option<Difference> {
-    let diffs: Vec<f64> = a
-        .iter()
-        .filter_map(|(item, x)| Some(x - b.get(item)?))
+    bootstrap(&[a], b, resamples, rng, |means| means[0])
+}
+
+/// Paired bootstrap of `min over rows of mean(row) − mean(b)`. The weakest
+/// row is found again in every resample, so the interval is that of "the
+/// weakest member", not of whichever member was weakest on the full set.
+pub fn weakest_minus(
+    rows: &[&BTreeMap<usize, f64>],
+    b: &BTreeMap<usize, f64>,
+    resamples: usize,
+    rng: &mut impl Rng,
+) -> Option<Difference> {
+    bootstrap(rows, b, resamples, rng, |means| {
+        means.iter().copied().fold(f64::INFINITY, f64::min)
+    })
+}
+
+/// `statistic` of the rows' mean differences from `b`, over the items every
+/// row and `b` answered, with its 95 % percentile interval over `resamples`
+/// draws of those items with replacement (the same draw for every row).
+fn bootstrap(
+    rows: &[&BTreeMap<usize, f64>],
+    b: &BTreeMap<usize, f64>,
+    resamples: usize,
+    rng: &mut impl Rng,
+    statistic: impl Fn(&[f64]) -> f64,
+) -> Option<Difference> {
+    let shared: Vec<usize> = b
+        .keys()
+        .copied()
+        .filter(|item| rows.iter().all(|r| r.contains_key(item)))
         .collect();
-    if diffs.is_empty() {
+    if rows.is_empty() || shared.is_empty() {
         return None;
     }
-    let n = diffs.len();
-    let estimate = diffs.iter().sum::<f64>() / n as f64;
-    let mut means: Vec<f64> = (0..resamples.max(1))
-        .map(|_| (0..n).map(|_| diffs[rng.random_range(0..n)]).sum::<f64>() / n as f64)
+    let diffs: Vec<Vec<f64>> = rows
+        .iter()
+        .map(|r| shared.iter().map(|i| r[i] - b[i]).collect())
         .collect();
-    means.sort_by(f64::total_cmp);
-    let at = |q: f64| means[((q * (means.len() - 1) as f64).round() as usize).min(means.len() - 1)];
+    let n = shared.len();
+    let mean_of = |draw: &[usize]| -> Vec<f64> {
+        diffs
+            .iter()
+            .map(|d| draw.iter().map(|&j| d[j]).sum::<f64>() / n as f64)
+            .collect()
+    };
+    let everything: Vec<usize> = (0..n).collect();
+    let estimate = statistic(&mean_of(&everything));
+    let mut values: Vec<f64> = (0..resamples.max(1))
+        .map(|_| {
+            let draw: Vec<usize> = (0..n).map(|_| rng.random_range(0..n)).collect();
+            statistic(&mean_of(&draw))
+        })
+        .collect();
+    values.sort_by(f64::total_cmp);
+    let at =
+        |q: f64| values[((q * (values.len() - 1) as f64).round() as usize).min(values.len() - 1)];
     Some(Difference {
         estimate,
         low: at(0.025),
         high: at(0.975),
-        resamples: means.len(),
+        resamples: values.len(),
     })
 }
 
@@ -119,7 +162,8 @@ pub struct BenchmarkComparison {
     pub base_model: Option<f64>,
     /// Paired bootstrap (95 %) of population mean − baseline.
     pub mean_minus_baseline: Option<Difference>,
-    /// Paired bootstrap (95 %) of weakest member − baseline.
+    /// Paired bootstrap (95 %) of weakest member − baseline, the weakest
+    /// chosen anew in each resample.
     pub weakest_minus_baseline: Option<Difference>,
 }
 
@@ -144,11 +188,18 @@ pub fn compare(
         return None;
     }
     let means: Vec<(String, f64)> = members.iter().cloned().zip(rows.iter().map(mean)).collect();
-    let by_score = |a: &&(String, f64), b: &&(String, f64)| a.1.total_cmp(&b.1);
-    let best = means.iter().max_by(by_score)?.clone();
-    let weakest = means.iter().min_by(by_score)?.clone();
-    let weakest_row = &rows[means.iter().position(|m| m.0 == weakest.0)?];
+    // The first member wins a tie, as in `eval::table`.
+    let first_where = |better: fn(f64, f64) -> bool| {
+        means
+            .iter()
+            .skip(1)
+            .fold(&means[0], |w, m| if better(m.1, w.1) { m } else { w })
+            .clone()
+    };
+    let best = first_where(|a, b| a > b);
+    let weakest = first_where(|a, b| a < b);
     let population = mean_scores(&rows);
+    let row_refs: Vec<&BTreeMap<usize, f64>> = rows.iter().collect();
     Some(BenchmarkComparison {
         benchmark: benchmark.to_string(),
         items: baseline_scores.len(),
@@ -156,7 +207,7 @@ pub fn compare(
         baseline: mean(&baseline_scores),
         base_model: base.map(|b| mean(&item_scores(records, benchmark, b))),
         mean_minus_baseline: paired_bootstrap(&population, &baseline_scores, resamples, rng),
-        weakest_minus_baseline: paired_bootstrap(weakest_row, &baseline_scores, resamples, rng),
+        weakest_minus_baseline: weakest_minus(&row_refs, &baseline_scores, resamples, rng),
         members: means,
         best,
         weakest,
@@ -188,6 +239,28 @@ mod tests {
         assert_eq!(d.estimate, 0.0);
         assert!(!d.excludes_zero(), "{d:?}");
         assert!(paired_bootstrap(&scores(&[]), &better, 10, &mut rng).is_none());
+    }
+
+    #[test]
+    fn the_weakest_is_chosen_in_every_resample() {
+        let mut rng = crate::keyed_stream!(2, "test-bootstrap");
+        let baseline = scores(&[0.5; 40]);
+        // Two members, each worse than the baseline on a different half:
+        // neither one alone is below it, but the weaker of the two always is.
+        let mut a = vec![0.5; 40];
+        let mut b = vec![0.5; 40];
+        for i in 0..20 {
+            a[i] = 0.0;
+            a[i + 20] = 1.0;
+            b[i] = 1.0;
+            b[i + 20] = 0.0;
+        }
+        let (a, b) = (scores(&a), scores(&b));
+        let d = weakest_minus(&[&a, &b], &baseline, 2000, &mut rng).unwrap();
+        assert_eq!(d.estimate, 0.0);
+        assert!(d.high <= 0.0 && d.low < -0.1, "{d:?}");
+        let fixed = paired_bootstrap(&a, &baseline, 2000, &mut rng).unwrap();
+        assert!(fixed.high > 0.05, "{fixed:?}");
     }
 
     #[test]

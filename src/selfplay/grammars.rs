@@ -6,8 +6,8 @@ use std::sync::Arc;
 use super::Settings;
 use crate::base::Tokenizer;
 use crate::grammar::{Grammar, Vocabulary};
-use crate::task::grammar::{reply_grammar, ReplyShape, MAX_PARAMS};
-use crate::task::{Role, TaskKind};
+use crate::task::grammar::{arity, reply_grammar, ReplyShape, MAX_PARAMS};
+use crate::task::{Role, SolverTask, TaskKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GrammarError {
@@ -60,14 +60,32 @@ impl Grammars {
     /// it is known. `None` when decoding is unconstrained.
     pub fn get(&self, kind: TaskKind, role: Role, arity: Option<usize>) -> Option<Arc<Grammar>> {
         let arity = arity.filter(|a| (1..=MAX_PARAMS).contains(a));
-        let key = match (role, kind) {
-            (Role::Proposer, TaskKind::Induction) | (Role::Solver, TaskKind::Abduction) => {
-                (kind, role, arity)
-            }
-            _ => (kind, role, None),
+        let arity = if keyed_by_arity(kind, role) {
+            arity
+        } else {
+            None
         };
-        self.compiled.get(&key).cloned()
+        self.compiled.get(&(kind, role, arity)).cloned()
     }
+
+    /// The grammar of a solver's reply to `task` (an abduction answer holds
+    /// as many arguments as the task's program takes).
+    pub fn solver(&self, task: &SolverTask) -> Option<Arc<Grammar>> {
+        let arity = match task {
+            SolverTask::Abduction(t) => arity(&t.program),
+            _ => None,
+        };
+        self.get(task.kind(), Role::Solver, arity)
+    }
+}
+
+/// Replies that write arguments for a given function, whose grammar
+/// depends on that function's parameter count.
+fn keyed_by_arity(kind: TaskKind, role: Role) -> bool {
+    matches!(
+        (role, kind),
+        (Role::Proposer, TaskKind::Induction) | (Role::Solver, TaskKind::Abduction)
+    )
 }
 
 /// The Lark text of a grammar of `settings`.
@@ -90,11 +108,10 @@ fn keys(settings: &Settings) -> Vec<Key> {
     let mut keys = Vec::new();
     for &kind in &settings.task_kinds {
         for role in Role::ALL {
-            match (role, kind) {
-                (Role::Proposer, TaskKind::Induction) | (Role::Solver, TaskKind::Abduction) => {
-                    keys.extend(arities.clone().map(|a| (kind, role, a)))
-                }
-                _ => keys.push((kind, role, None)),
+            if keyed_by_arity(kind, role) {
+                keys.extend(arities.clone().map(|a| (kind, role, a)));
+            } else {
+                keys.push((kind, role, None));
             }
         }
     }

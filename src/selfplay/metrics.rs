@@ -79,11 +79,11 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    /// Everything but the timings and the update, from the step's data.
+    /// Everything but the timings, the update and the compute
+    /// ([`step_cost`]), from the step's data.
     pub fn measure(
         step: u64,
         settings: &Settings,
-        config: &ModelConfig,
         proposals: &[ProposalResult],
         problems: &[Problem],
         solves: &[SolveResult],
@@ -157,15 +157,14 @@ impl StepMetrics {
             programs,
             tokens: token_metrics(settings, episodes),
             member_reward: member_means(episodes),
-            compute: cost(config, proposals, problems, solves, batch),
             ..Default::default()
         }
     }
 }
 
 /// The compute of a step's rows: every proposal and solve generated, every
-/// row trained.
-fn cost(
+/// row trained ([`StepMetrics::compute`]).
+pub fn step_cost(
     config: &ModelConfig,
     proposals: &[ProposalResult],
     problems: &[Problem],

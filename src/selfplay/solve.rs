@@ -8,9 +8,8 @@ use crate::compute::{GenRequest, Generation};
 use crate::keyed_stream;
 use crate::rl::SolverOutcome;
 use crate::task::buffer::solver_task_from_induction;
-use crate::task::grammar::arity;
 use crate::task::{
-    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError, Role, SolverTask, TaskBuffers,
+    parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError, SolverTask, TaskBuffers,
 };
 use crate::verify::{Job, Outcome, Status, VerifierPool};
 
@@ -43,10 +42,6 @@ impl SolveJob {
     pub fn request(&self, ctx: &StepContext, problems: &[Problem]) -> GenRequest {
         let s = ctx.settings;
         let task = &problems[self.problem].task;
-        let arity = match task {
-            SolverTask::Abduction(t) => arity(&t.program),
-            _ => None,
-        };
         GenRequest {
             adapter: Some(self.solver),
             prompt: problems[self.problem].tokens.clone(),
@@ -61,7 +56,7 @@ impl SolveJob {
                 self.problem,
                 self.sample
             ),
-            grammar: ctx.grammars.get(task.kind(), Role::Solver, arity),
+            grammar: ctx.grammars.solver(task),
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::metrics::StepMetrics;
+use super::metrics::{step_cost, StepMetrics};
 use super::{
     accept, apply_update, episodes, judge_proposals, judge_solutions, problems, proposal_jobs,
     solve_jobs, train_rows, Error, MemberId, ProposalResult, Result, Roster, SolveResult,
@@ -103,13 +103,13 @@ pub fn run_step(
     let mut metrics = StepMetrics::measure(
         ctx.step,
         ctx.settings,
-        &model.config,
         &proposals,
         &problems,
         &solves,
         &episodes,
         &batch,
     );
+    metrics.compute = step_cost(&model.config, &proposals, &problems, &solves, &batch);
     metrics.phase_ms = clock.phase_ms;
     metrics.grad_norm = grad_norm;
     metrics.train_tokens = train.stats.iter().map(|(&id, s)| (id, s.tokens)).collect();

@@ -31,14 +31,16 @@ use super::{Role, TaskKind};
 pub const MAX_PARAMS: usize = 3;
 /// Longest parameter name, in bytes.
 const NAME_BYTES: usize = 8;
-/// Share of a proposer's free budget for its input literals (the rest is code).
-const INPUT_SHARE: usize = 4; // one quarter
-/// Share of a solver's free budget it may spend thinking (deduction and
-/// abduction: half; induction, whose answer is code: a third).
-const THINK_SHARE: usize = 2;
-const THINK_SHARE_CODE: usize = 3;
-/// Share of an induction proposer's free budget for its message, and its cap.
-const MESSAGE_SHARE: usize = 4;
+/// A proposer's input literals get 1/`INPUT_DIVISOR` of its free budget
+/// (the rest is code).
+const INPUT_DIVISOR: usize = 4;
+/// A solver may spend 1/`THINK_DIVISOR` of its free budget thinking
+/// (deduction and abduction: half; induction, whose answer is code: a third).
+const THINK_DIVISOR: usize = 2;
+const THINK_DIVISOR_CODE: usize = 3;
+/// An induction proposer's message gets 1/`MESSAGE_DIVISOR` of its free
+/// budget, at most `MESSAGE_CAP` tokens.
+const MESSAGE_DIVISOR: usize = 4;
 const MESSAGE_CAP: usize = 32;
 /// Smallest bounds a grammar may get: below these the budget is too small.
 const MIN_CODE_TOKENS: usize = 16;
@@ -95,22 +97,54 @@ pub struct ReplyGrammar {
     pub worst_case_tokens: usize,
 }
 
-/// The number of parameters of the function `program` defines, when its
-/// `def` line lists plain names only (no defaults, `*args` or annotations).
+/// The number of parameters of `f` (or, without an `f`, of the first
+/// function) in `program`, when every parameter is a plain name, annotated
+/// or not: `None` for defaults, `*args`, `**kwargs` or a `/` or `*` marker,
+/// which leave the number of arguments a call takes open.
 pub fn arity(program: &str) -> Option<usize> {
-    let line = program.lines().find(|l| l.starts_with("def "))?;
-    let params = line.split_once('(')?.1.rsplit_once(')')?.0;
-    let names: Vec<&str> = params.split(',').map(str::trim).collect();
-    let plain = |n: &&str| {
-        !n.is_empty()
-            && n.chars().all(|c| c.is_alphanumeric() || c == '_')
-            && !n.starts_with(|c: char| c.is_ascii_digit())
+    let line = program
+        .lines()
+        .find(|l| l.starts_with("def f("))
+        .or_else(|| program.lines().find(|l| l.starts_with("def ")))?;
+    let params = top_level_params(line.split_once('(')?.1)?;
+    let plain = |p: &&str| {
+        let name = p.split_once(':').map_or(*p, |(name, _)| name).trim();
+        !name.is_empty()
+            && name.chars().all(|c| c.is_alphanumeric() || c == '_')
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && !p.contains('=')
     };
-    match names.as_slice() {
-        [""] => Some(0),
-        _ if names.iter().all(plain) => Some(names.len()),
+    match params.as_slice() {
+        [] => Some(0),
+        _ if params.iter().all(plain) => Some(params.len()),
         _ => None,
     }
+}
+
+/// The comma-separated parts of a parameter list up to its closing `)`,
+/// split only where no bracket is open (`Dict[str, int]` is one part).
+fn top_level_params(after_open: &str) -> Option<Vec<&str>> {
+    let (mut depth, mut start, mut parts) = (0usize, 0, Vec::new());
+    for (i, c) in after_open.char_indices() {
+        match c {
+            '(' | '[' | '{' => depth += 1,
+            ']' | '}' => depth = depth.checked_sub(1)?,
+            ')' if depth == 0 => {
+                let last = after_open[start..i].trim();
+                if !last.is_empty() {
+                    parts.push(last);
+                }
+                return Some(parts);
+            }
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(after_open[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The grammar of a (kind, role) reply of `shape`, or why the budget is too
@@ -121,6 +155,7 @@ pub fn reply_grammar(
     shape: &ReplyShape,
 ) -> Result<ReplyGrammar, String> {
     build(kind, role, shape).ok_or_else(|| {
+        // Every grammar fits a few hundred tokens; the search stops well above.
         let needed = (shape.max_new_tokens..shape.max_new_tokens.max(64) * 64).find(|&n| {
             let bigger = ReplyShape {
                 max_new_tokens: n,
@@ -154,7 +189,7 @@ fn program_proposer(shape: &ReplyShape) -> Option<ReplyGrammar> {
     let fixed = bytes(&[PROGRAM_HEAD, PARAMS_END, PROGRAM_END, INPUT_HEAD, BLOCK_END]) + STOP;
     let most = params_bytes(MAX_PARAMS) + separators(MAX_PARAMS);
     let free = shape.max_new_tokens.checked_sub(fixed + most)?;
-    let literals = free / INPUT_SHARE;
+    let literals = free / INPUT_DIVISOR;
     let code = code_tokens(free - literals)?;
     let mut lark = format!("start: {}\n", alternatives("proposal", MAX_PARAMS));
     let mut worst = 0;
@@ -183,7 +218,7 @@ fn induction_proposer(shape: &ReplyShape) -> Option<ReplyGrammar> {
     let block = bytes(&[INPUT_HEAD, BLOCK_END, "\n"]) + separators(most);
     let fixed = n * block + bytes(&[MESSAGE_HEAD, BLOCK_END]) + STOP;
     let free = shape.max_new_tokens.checked_sub(fixed)?;
-    let message = (free / MESSAGE_SHARE).min(MESSAGE_CAP);
+    let message = (free / MESSAGE_DIVISOR).min(MESSAGE_CAP);
     if message < MIN_MESSAGE_TOKENS {
         return None;
     }
@@ -212,7 +247,7 @@ fn literal_solver(shape: &ReplyShape, head: &str, arity: Option<usize>) -> Optio
     let fixed =
         bytes(&[ANSWER_HEAD, head, ANSWER_END, THINK_HEAD, THINK_END]) + STOP + separators(most);
     let free = shape.max_new_tokens.checked_sub(fixed)?;
-    let think = free / THINK_SHARE;
+    let think = free / THINK_DIVISOR;
     let arg = each(free - think, most)?;
     let mut lark = format!(
         "start: think? {} arguments {}\n",
@@ -236,7 +271,7 @@ fn program_solver(shape: &ReplyShape) -> Option<ReplyGrammar> {
     ];
     let fixed = bytes(&text) + STOP + params_bytes(MAX_PARAMS) + separators(MAX_PARAMS);
     let free = shape.max_new_tokens.checked_sub(fixed)?;
-    let think = free / THINK_SHARE_CODE;
+    let think = free / THINK_DIVISOR_CODE;
     let code = code_tokens(free - think)?;
     let mut lark = format!(
         "start: think? {} params {} body {}\n",
@@ -323,8 +358,8 @@ fn repeated(item: &str, k: usize) -> String {
 
 /// Bytes for each of `k` literals sharing `total` bytes.
 fn each(total: usize, k: usize) -> Option<usize> {
-    let each = total / k;
-    (each >= MIN_LITERAL_BYTES).then_some(each)
+    let share = total / k;
+    (share >= MIN_LITERAL_BYTES).then_some(share)
 }
 
 fn separators(k: usize) -> usize {
@@ -362,13 +397,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn arity_counts_plain_parameters_only() {
+    fn arity_counts_plain_and_annotated_parameters() {
         assert_eq!(arity("def f(a, b):\n    return a"), Some(2));
         assert_eq!(arity("import math\ndef f(x):\n    return x"), Some(1));
         assert_eq!(arity("def f():\n    return 1"), Some(0));
         assert_eq!(arity("def f(a, b=2):\n    return a"), None);
         assert_eq!(arity("def f(*args):\n    return 1"), None);
-        assert_eq!(arity("def f(a: int):\n    return a"), None);
+        assert_eq!(arity("def f(a: int):\n    return a"), Some(1));
+        assert_eq!(
+            arity("from typing import Dict, List\ndef f(d: Dict[str, int], xs: List[int]) -> Tuple[int, int]:\n    return 1"),
+            Some(2)
+        );
+        assert_eq!(
+            arity("def g(a):\n    return a\ndef f(a, b, c):\n    return g(a)"),
+            Some(3)
+        );
+        assert_eq!(arity("def f(a, *, b):\n    return a"), None);
+        assert_eq!(arity("def f(a, b,):\n    return a"), Some(2));
+        assert_eq!(arity("def f(a, b"), None);
     }
 
     #[test]

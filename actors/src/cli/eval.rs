@@ -18,9 +18,9 @@ use populora::keyed_stream;
 use populora::lora::Adapter;
 use populora::scenario::{check_operator, Scenario};
 use populora::selfplay::Grammars;
-use populora::task::grammar::arity;
+use populora::task::grammar::{arity, MAX_PARAMS};
 use populora::task::{
-    parse_answer, solver_prompt, ChatPrompt, PromptConfig, Role, SolverTask, TaskKind, Triplet,
+    parse_answer, solver_prompt, ChatPrompt, PromptConfig, SolverTask, TaskKind, Triplet,
 };
 use populora::verify::{SandboxConfig, VerifierPool};
 
@@ -150,17 +150,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             serde_json::json!({ "members": members, "baseline": baseline, "base_model": base });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        let references = [
-            ("baseline", baseline.as_slice()),
-            (BASE_ROW, base.as_slice()),
-        ];
-        let references: Vec<_> = references
-            .into_iter()
-            .filter(|(_, r)| !r.is_empty())
-            .collect();
-        println!("{}", table(&members, &references));
+        println!("{}", rows_table(&members, &baseline, &base));
     }
     Ok(())
+}
+
+/// The printed table: the members, then the baseline and base-model rows
+/// where they were evaluated (every score, pass@k included).
+pub fn rows_table(
+    members: &[BenchmarkResult],
+    baseline: &[BenchmarkResult],
+    base: &[BenchmarkResult],
+) -> String {
+    let references: Vec<(&str, &[BenchmarkResult])> = [("baseline", baseline), (BASE_ROW, base)]
+        .into_iter()
+        .filter(|(_, r)| !r.is_empty())
+        .collect();
+    table(members, &references)
 }
 
 /// Every row on every benchmark of `options`.
@@ -211,12 +217,11 @@ pub fn write(dir: &Path, evaluation: &Evaluation) -> anyhow::Result<()> {
     std::fs::write(dir.join("eval.json"), serde_json::to_vec_pretty(&own)?)?;
     let out = dir.join("eval");
     std::fs::create_dir_all(&out)?;
-    let mut lines = String::new();
-    for item in &evaluation.items {
-        lines.push_str(&serde_json::to_string(item)?);
-        lines.push('\n');
-    }
-    std::fs::write(out.join("items.jsonl"), lines)?;
+    let (members, baseline, base) = split_rows(evaluation.results.clone());
+    std::fs::write(
+        out.join("table.txt"),
+        rows_table(&members, &baseline, &base),
+    )?;
     let mut samples: BTreeMap<&str, Vec<(String, String)>> = BTreeMap::new();
     for item in &evaluation.items {
         if let Some(completion) = &item.completion {
@@ -228,11 +233,36 @@ pub fn write(dir: &Path, evaluation: &Evaluation) -> anyhow::Result<()> {
         let file = out.join(format!("samples-{}.jsonl", member.replace(['/', ' '], "-")));
         humaneval::write_samples_jsonl(&file, &rows)?;
     }
+    let mut lines = String::new();
+    for item in &evaluation.items {
+        lines.push_str(&serde_json::to_string(item)?);
+        lines.push('\n');
+    }
+    // Last and whole (renamed into place): an experiment takes its presence
+    // to mean that the evaluation finished.
+    let items = out.join("items.jsonl");
+    let partial = out.join(".items.jsonl.partial");
+    std::fs::write(&partial, lines)?;
+    std::fs::rename(&partial, &items).with_context(|| format!("writing {}", items.display()))?;
     Ok(())
 }
 
 /// The adapters under `DIR/members/*/adapter`, by member name.
 pub fn members(dir: &Path, prefix: &str) -> anyhow::Result<Vec<Row>> {
+    let root = dir.join("members");
+    member_names(dir)?
+        .into_iter()
+        .map(|n| {
+            let (adapter, _) =
+                Adapter::load(&root.join(&n).join("adapter"), &candle_core::Device::Cpu)
+                    .with_context(|| format!("loading member {n}"))?;
+            Ok((format!("{prefix}{n}"), Some(adapter)))
+        })
+        .collect()
+}
+
+/// The names of the members saved under `DIR/members/`, sorted.
+pub fn member_names(dir: &Path) -> anyhow::Result<Vec<String>> {
     let root = dir.join("members");
     let mut names: Vec<String> = std::fs::read_dir(&root)
         .with_context(|| format!("{} has no members/ (is it a run directory?)", dir.display()))?
@@ -247,15 +277,7 @@ pub fn members(dir: &Path, prefix: &str) -> anyhow::Result<Vec<Row>> {
             root.display()
         );
     }
-    names
-        .into_iter()
-        .map(|n| {
-            let (adapter, _) =
-                Adapter::load(&root.join(&n).join("adapter"), &candle_core::Device::Cpu)
-                    .with_context(|| format!("loading member {n}"))?;
-            Ok((format!("{prefix}{n}"), Some(adapter)))
-        })
-        .collect()
+    Ok(names)
 }
 
 fn benchmarks(
@@ -309,9 +331,11 @@ fn benchmarks(
             "humaneval-io" => {
                 let set = humaneval_io::build(pool, &problems, &humaneval_io::IoConfig::default())?;
                 eprintln!("humaneval-io: {:?}", set.stats);
+                let grammars = io_grammars(args, engine)?;
+                warn_unanswerable(&set.items);
                 for kind in [humaneval_io::IoKind::Output, humaneval_io::IoKind::Input] {
                     let chosen: Vec<_> = set.items.iter().filter(|i| i.kind == kind).cloned().collect();
-                    let grammars = args.constrained.then_some(engine.grammars.as_ref());
+                    let grammars = grammars.as_ref();
                     let items = chosen[..limit(chosen.len())]
                         .iter()
                         .map(|i| io_item(i, grammars))
@@ -369,6 +393,45 @@ fn benchmarks(
     Ok(out)
 }
 
+/// The solver grammars HumanEval-IO answers follow when the run decoded
+/// under grammars (and `--free-decoding` is not given): the run's own
+/// grammars, with bounds derived from the evaluation's reply budget, so that
+/// the run's smaller budget does not cut the gold answers short.
+fn io_grammars(args: &Options, engine: &Engine) -> anyhow::Result<Option<Grammars>> {
+    if !(args.constrained && engine.settings.constrained) {
+        return Ok(None);
+    }
+    let mut settings = (*engine.settings).clone();
+    settings.max_new_tokens = io_budget(args, engine);
+    settings.task_kinds = vec![TaskKind::Deduction, TaskKind::Abduction];
+    let vocab_size = engine.model.config.vocab_size;
+    let grammars = Grammars::compile(&engine.tokenizer, vocab_size, &settings)
+        .context("compiling the HumanEval-IO solver grammars")?;
+    Ok(Some(grammars))
+}
+
+/// The reply budget of a constrained HumanEval-IO answer: the evaluation's,
+/// or the run's when that is larger (its grammars must fit).
+fn io_budget(args: &Options, engine: &Engine) -> usize {
+    engine.settings.max_new_tokens.max(args.max_new_tokens)
+}
+
+/// Says how many input-prediction items no solver grammar can answer (their
+/// function takes more arguments than a self-play program may).
+fn warn_unanswerable(items: &[humaneval_io::IoItem]) {
+    let too_many = items
+        .iter()
+        .filter(|i| i.kind == humaneval_io::IoKind::Input)
+        .filter(|i| arity(&i.program).is_none_or(|a| a > MAX_PARAMS))
+        .count();
+    if too_many > 0 {
+        eprintln!(
+            "humaneval-io-input: {too_many} items take more than {MAX_PARAMS} arguments or an open number; \
+             under the solver grammar (1 to {MAX_PARAMS} arguments) no row can answer them"
+        );
+    }
+}
+
 /// A HumanEval-IO item in the self-play solver format, scored by AZR's
 /// rules; its answer is decoded under the solver grammar when `grammars` has it.
 fn io_item(item: &humaneval_io::IoItem, grammars: Option<&Grammars>) -> anyhow::Result<Item> {
@@ -384,11 +447,7 @@ fn io_item(item: &humaneval_io::IoItem, grammars: Option<&Grammars>) -> anyhow::
         humaneval_io::IoKind::Input => (SolverTask::Abduction(triplet), TaskKind::Abduction),
     };
     let prompt = solver_prompt(&task, &PromptConfig::default(), &|_| 0)?;
-    let arity = match kind {
-        TaskKind::Abduction => arity(&item.program),
-        _ => None,
-    };
-    let grammar = grammars.and_then(|g| g.get(kind, Role::Solver, arity));
+    let grammar = grammars.and_then(|g| g.solver(&task));
     let item = item.clone();
     Ok(Item {
         id: item.task_id.clone(),
@@ -442,8 +501,7 @@ fn evaluate(
     let jobs: Vec<(usize, usize, usize)> = (0..rows.len())
         .flat_map(|m| (0..bench.items.len()).flat_map(move |i| (0..n).map(move |s| (m, i, s))))
         .collect();
-    // A grammar's worst case fits the run's reply budget.
-    let constrained_budget = engine.settings.max_new_tokens.max(args.max_new_tokens);
+    let constrained_budget = io_budget(args, engine);
     let mut correct = vec![vec![0usize; bench.items.len()]; rows.len()];
     let mut records = Vec::with_capacity(jobs.len());
     for chunk in jobs.chunks(args.batch.max(1)) {

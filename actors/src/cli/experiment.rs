@@ -12,6 +12,12 @@
 //!    untouched base model on the benchmarks, every answer recorded;
 //! 4. `DIR/experiment.json` (rows, paired-bootstrap intervals, compute) and
 //!    `DIR/report/index.html` (with each run's own report beside it).
+//!
+//! A run stage counts as done once its journal holds an `end` event (a run
+//! stopped with `ctl stop` included). The experiment file is compared with
+//! the copy kept in `DIR`; the two scenario files are read again on every
+//! invocation, so an edit reaches only the stages not yet done: to re-run a
+//! stage with an edited scenario, delete its directory (and `DIR/eval`).
 
 use std::path::{Path, PathBuf};
 
@@ -21,7 +27,7 @@ use populora::compute::Cost;
 use populora::eval::compare::{compare, BenchmarkComparison};
 use populora::eval::ItemRecord;
 use populora::keyed_stream;
-use populora::report::experiment::{ExperimentSummary, RunTotals};
+use populora::report::experiment::{compute_gap, ExperimentSummary, RunTotals};
 use populora::scenario::experiment::{Experiment, LoadedExperiment, MATCH_TOLERANCE};
 use populora::scenario::{check_operator, Scenario};
 use populora::verify::{SandboxConfig, VerifierPool};
@@ -150,20 +156,25 @@ fn totals(dir: &Path) -> anyhow::Result<RunTotals> {
 /// The baseline spent what the population spent, within [`MATCH_TOLERANCE`].
 fn check_match(population: &RunTotals, baseline: &RunTotals) -> anyhow::Result<()> {
     let (p, b) = (population.compute.flops, baseline.compute.flops);
-    let gap = (b - p) / p.max(1.0);
+    let gap = compute_gap(population, baseline);
     if gap.abs() <= MATCH_TOLERANCE {
         return Ok(());
     }
+    let base_dir = baseline.dir.display();
     let why = if gap < 0.0 {
         format!(
-            "it ran out of steps ({}) first; raise `steps` in the baseline scenario",
+            "it ran out of steps ({}) first; raise `steps` in the baseline scenario, delete {base_dir}",
             baseline.steps
         )
     } else {
-        "one baseline step is too large a share of the budget; run the population longer".into()
+        format!(
+            "one baseline step is too large a share of the budget; run the population longer \
+             (raise its `steps`, delete {} and {base_dir})",
+            population.dir.display()
+        )
     };
     bail!(
-        "the baseline spent {:.3} TFLOP against the population's {:.3} ({:+.1} %, allowed ±{:.0} %): {why}; then run the experiment again",
+        "the baseline spent {:.3} TFLOP against the population's {:.3} ({:+.1} %, allowed ±{:.0} %): {why}, then run the experiment again",
         b / 1e12,
         p / 1e12,
         100.0 * gap,
@@ -195,7 +206,7 @@ fn evaluate(out: &Path, loaded: &LoadedExperiment) -> anyhow::Result<Vec<ItemRec
         rows.push((BASE_ROW.to_string(), None));
         let seed = loaded.population.seed;
         let evaluation = eval::evaluate_rows(&options, &engine, &pool, &rows, seed)?;
-        // Written last, into place at once: its presence means the stage is done.
+        // Writes items.jsonl last, whole: its presence means the stage is done.
         eval::write(out, &evaluation)?;
     }
     let text = std::fs::read_to_string(&items)?;
@@ -214,14 +225,11 @@ fn comparisons(
     out: &Path,
     records: &[ItemRecord],
 ) -> anyhow::Result<Vec<BenchmarkComparison>> {
-    let members: Vec<String> = eval::members(&out.join("population"), "")?
+    let members = eval::member_names(&out.join("population"))?;
+    let baseline = eval::member_names(&out.join("baseline"))?
         .into_iter()
-        .map(|(name, _)| name)
-        .collect();
-    let baseline = eval::members(&out.join("baseline"), "baseline/")?
-        .into_iter()
-        .map(|(name, _)| name)
         .next()
+        .map(|name| format!("baseline/{name}"))
         .context("the baseline run saved no member")?;
     let mut benchmarks: Vec<&str> = Vec::new();
     for r in records {
@@ -231,9 +239,9 @@ fn comparisons(
     }
     let seed = loaded.population.seed;
     let resamples = loaded.experiment.eval.bootstrap;
-    Ok(benchmarks
+    benchmarks
         .into_iter()
-        .filter_map(|b| {
+        .map(|b| {
             let mut rng = keyed_stream!(seed, "experiment-bootstrap", b);
             compare(
                 records,
@@ -244,6 +252,9 @@ fn comparisons(
                 resamples,
                 &mut rng,
             )
+            .with_context(|| {
+                format!("{b}: the records hold no answers of the population or of {baseline}")
+            })
         })
-        .collect())
+        .collect()
 }

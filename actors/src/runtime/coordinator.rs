@@ -17,7 +17,7 @@ use populora::compute::{Cost, TrainRow};
 use populora::rating::{match_teachers, record_problem, MatchConfig, Player, TrueSkillConfig};
 use populora::scenario::{EventAction, Mode, Scenario};
 use populora::selfplay::{
-    self, accept, episodes, train_rows, Learner, MemberId, Problem, Roster, StepContext,
+    self, accept, episodes, step_cost, train_rows, Learner, MemberId, Problem, Roster, StepContext,
     StepMetrics,
 };
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
@@ -518,13 +518,13 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     let mut metrics = StepMetrics::measure(
         s,
         &engine.settings,
-        &engine.model.config,
         &proposals,
         &problems,
         &solves,
         &episodes,
         &batch,
     );
+    metrics.compute = step_cost(&engine.model.config, &proposals, &problems, &solves, &batch);
     for (id, report) in reports {
         state.args.league.checksums.insert(id, report.checksum);
         if let Some(norm) = report.grad_norm {
