@@ -687,3 +687,72 @@ fn a_grammar_for_another_vocabulary_is_an_error() {
     let err = compute::generate(&model, &AdapterSet::new(), vec![row]).unwrap_err();
     assert!(err.to_string().contains("grammar"), "{err}");
 }
+
+/// `generate_with_top` picks the tokens `generate` picks and records, per
+/// picked token, the best log-probs of the distribution it came from: best
+/// first, the greedy pick first, its entry bit-equal to the recorded
+/// log-prob, the whole distribution summing to 1. Under a grammar, only
+/// tokens of the mask appear, and forced tokens have none.
+#[test]
+fn top_logprobs_are_those_of_the_distribution_each_token_came_from() {
+    let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
+    let tokenizer = vocab.tokenizer().unwrap();
+    let adapter = random_adapter(&model, 21, DType::F32);
+    let set = AdapterSet::new().with(3, &adapter);
+    let rows = || {
+        vec![
+            request(Some(3), vec![4, 2], Sampling::GREEDY, 1),
+            request(None, vec![7], Sampling::default(), 2),
+        ]
+    };
+    let plain = compute::generate(&model, &set, rows()).unwrap();
+    let all = model.config.vocab_size;
+    let topped = compute::generate_with_top(&model, &set, rows(), all).unwrap();
+    for (p, t) in plain.iter().zip(&topped) {
+        assert_eq!(p.tokens, t.tokens);
+        assert_eq!(p.logprobs, t.logprobs);
+        assert!(p.top.is_empty());
+        assert_eq!(t.top.len(), t.tokens.len());
+        for (i, top) in t.top.iter().enumerate() {
+            assert_eq!(top.len(), all);
+            assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "best first");
+            let mass: f64 = top.iter().map(|&(_, l)| (l as f64).exp()).sum();
+            assert!((mass - 1.0).abs() < 1e-4, "{mass}");
+            let picked = top.iter().find(|&&(tok, _)| tok == t.tokens[i]).unwrap();
+            assert_eq!(picked.1, t.logprobs[i]);
+        }
+    }
+    // Greedy: the pick is the best token.
+    assert!(topped[0]
+        .top
+        .iter()
+        .zip(&topped[0].tokens)
+        .all(|(top, &tok)| top[0].0 == tok));
+    let three = compute::generate_with_top(&model, &set, rows(), 3).unwrap();
+    assert!(three[0]
+        .top
+        .iter()
+        .zip(&topped[0].top)
+        .all(|(a, b)| a[..] == b[..3]));
+
+    let vocabulary = Vocabulary::new(&tokenizer, model.config.vocab_size).unwrap();
+    let grammar = std::sync::Arc::new(vocabulary.compile("start: \"x = \" /[0-9]{1,2}/").unwrap());
+    let constrained = GenRequest {
+        stop: tokenizer.stop_ids.clone(),
+        grammar: Some(grammar),
+        ..request(Some(3), vec![4, 2], Sampling::default(), 4)
+    };
+    let out = compute::generate_with_top(&model, &set, vec![constrained], 5).unwrap();
+    let g = &out[0];
+    assert_eq!(g.top.len(), g.tokens.len());
+    for (i, pick) in g.picks.iter().enumerate() {
+        match pick {
+            Pick::Forced => assert!(g.top[i].is_empty()),
+            Pick::Masked(mask) => {
+                assert!(!g.top[i].is_empty() && g.top[i].len() <= 5);
+                assert!(g.top[i].iter().all(|&(tok, _)| mask.allows(tok)));
+            }
+            Pick::Free => panic!("a constrained row samples under its mask"),
+        }
+    }
+}

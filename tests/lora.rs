@@ -4,13 +4,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+use populora::base::fetch;
 use populora::base::tiny::{self, TinySpec, TINY_CHAT_TEMPLATE};
 use populora::base::{self, gguf, Arch, ModelConfig};
 use populora::keyed_stream;
 use populora::lora::{
-    clip_grad_norm, export_peft, grad_norm, import_peft, peft_key, read_peft, AdamW, AdamWConfig,
-    Adapter, AdapterGrads, BaseRef, Error, LoraConfig, ModuleKey, Target, ADAPTER_TENSORS,
-    PEFT_CONFIG, PEFT_TENSORS,
+    clip_grad_norm, export_peft, grad_norm, import_peft, names_model, peft_key, read_peft,
+    shape_fingerprint, AdamW, AdamWConfig, Adapter, AdapterDir, AdapterFormat, AdapterGrads,
+    BaseRef, Error, LoraConfig, ModuleKey, Target, ADAPTER_TENSORS, PEFT_CONFIG, PEFT_TENSORS,
 };
 use rand::Rng;
 
@@ -572,6 +573,254 @@ fn peft_keys_follow_the_hf_module_tree() {
         peft_key(key, "lora_B"),
         "base_model.model.model.layers.7.mlp.gate_proj.lora_B.weight"
     );
+}
+
+/// SmolLM2-135M's shape under the name its GGUF gives it.
+fn smollm2_gguf_config() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        name: "Smollm2 135M 8k Lc100K Mix1 Ep2".into(),
+        vocab_size: 49152,
+        hidden_size: 576,
+        intermediate_size: 1536,
+        num_layers: 30,
+        num_heads: 9,
+        num_kv_heads: 3,
+        head_dim: 64,
+        rope_theta: 100000.0,
+        rms_norm_eps: 1e-5,
+        max_position_embeddings: 8192,
+        tie_word_embeddings: true,
+    }
+}
+
+#[test]
+fn the_default_model_is_known_by_its_hf_repo_id_and_its_shape() {
+    let gguf = smollm2_gguf_config();
+    assert_eq!(
+        shape_fingerprint(&gguf),
+        fetch::DEFAULT_MODEL_IDENTITY.fingerprint
+    );
+    let repo = "HuggingFaceTB/SmolLM2-135M-Instruct";
+    assert!(names_model(repo, &gguf));
+    assert!(names_model("/models/SmolLM2-135M-Instruct/", &gguf));
+    assert!(names_model(&gguf.name, &gguf));
+    // The base model (not Instruct) has the same shape but other weights.
+    assert!(!names_model("HuggingFaceTB/SmolLM2-135M", &gguf));
+    // An alias only counts for a model of the identity's shape.
+    let other_shape = ModelConfig {
+        num_layers: 2,
+        ..smollm2_gguf_config()
+    };
+    assert!(!names_model(repo, &other_shape));
+    // Loaded from an HF directory, the model names itself by the repo id.
+    let hf = ModelConfig {
+        name: repo.into(),
+        ..smollm2_gguf_config()
+    };
+    assert!(names_model(&gguf.name, &hf));
+
+    assert_eq!(BaseRef::of(&gguf).hf_name(), repo);
+    assert_eq!(BaseRef::of(&hf).hf_name(), repo);
+    assert_eq!(BaseRef::of(&other_shape).hf_name(), gguf.name);
+    assert_eq!(BaseRef::of(&tiny_model()).hf_name(), tiny_model().name);
+    BaseRef::named(repo).check(&gguf).unwrap();
+    let err = BaseRef::named("HuggingFaceTB/SmolLM2-360M-Instruct")
+        .check(&gguf)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(repo) && err.to_string().contains("360M"),
+        "{err}"
+    );
+}
+
+/// `adapter_config.json` as PEFT 0.19 writes it (every field of 0.13 and
+/// those added since), for the tiny model.
+fn peft_019_config(model: &ModelConfig, targets: &[&str]) -> serde_json::Value {
+    serde_json::json!({
+        "alora_invocation_tokens": null,
+        "alpha_pattern": {},
+        "arrow_config": null,
+        "auto_mapping": null,
+        "base_model_name_or_path": model.name,
+        "bias": "none",
+        "corda_config": null,
+        "ensure_weight_tying": false,
+        "eva_config": null,
+        "exclude_modules": null,
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "layer_replication": null,
+        "layers_pattern": null,
+        "layers_to_transform": null,
+        "loftq_config": {},
+        "lora_alpha": 8,
+        "lora_bias": false,
+        "lora_dropout": 0.05,
+        "lora_ga_config": null,
+        "megatron_config": null,
+        "megatron_core": "megatron.core",
+        "modules_to_save": null,
+        "peft_type": "LORA",
+        "peft_version": "0.19.1",
+        "qalora_group_size": 16,
+        "r": 4,
+        "rank_pattern": {},
+        "revision": null,
+        "target_modules": targets,
+        "target_parameters": null,
+        "task_type": "CAUSAL_LM",
+        "trainable_token_indices": null,
+        "use_bdlora": null,
+        "use_dora": false,
+        "use_qalora": false,
+        "use_rslora": false
+    })
+}
+
+#[test]
+fn peft_import_reads_every_field_newer_peft_writes_and_refuses_variants() {
+    let model = tiny_model();
+    let adapter = trained_adapter(&model, lora_config(), SEED);
+    let dir = temp_dir("peft-019");
+    export_peft(&adapter, &model.name, &dir).unwrap();
+    // PEFT lists the targets in set order.
+    let targets = [
+        "up_proj",
+        "q_proj",
+        "down_proj",
+        "o_proj",
+        "k_proj",
+        "gate_proj",
+        "v_proj",
+    ];
+    let write = |config: &serde_json::Value| {
+        std::fs::write(
+            dir.join(PEFT_CONFIG),
+            serde_json::to_vec_pretty(config).unwrap(),
+        )
+        .unwrap()
+    };
+    write(&peft_019_config(&model, &targets));
+    let imported = import_peft(&dir, &model, false, &Device::Cpu).unwrap();
+    assert_eq!(delta_ws(&imported.adapter), delta_ws(&adapter));
+    let read = AdapterDir::read(&dir, &Device::Cpu).unwrap();
+    assert_eq!(read.format, AdapterFormat::Peft);
+    assert_eq!(read.base, BaseRef::named(&model.name));
+
+    let variants: [(&str, serde_json::Value); 9] = [
+        ("lora_bias", true.into()),
+        ("layer_replication", serde_json::json!([[0, 1], [0, 1]])),
+        ("init_lora_weights", "pissa_niter_4".into()),
+        ("init_lora_weights", "olora".into()),
+        ("trainable_token_indices", serde_json::json!([1, 2])),
+        (
+            "exclude_modules",
+            serde_json::json!(["layers.0.self_attn.q_proj"]),
+        ),
+        ("use_qalora", true.into()),
+        ("alora_invocation_tokens", serde_json::json!([5])),
+        ("arrow_config", serde_json::json!({ "top_k": 3 })),
+    ];
+    for (field, value) in variants {
+        let mut config = peft_019_config(&model, &targets);
+        config[field] = value.clone();
+        write(&config);
+        let err = import_peft(&dir, &model, false, &Device::Cpu).unwrap_err();
+        assert!(
+            matches!(&err, Error::UnsupportedPeftOption { field: f, .. } if *f == field),
+            "{field} = {value}: {err}"
+        );
+    }
+    // Initialisations that leave the base alone are fine once trained.
+    for init in ["gaussian", "eva", "orthogonal"] {
+        let mut config = peft_019_config(&model, &targets);
+        config["init_lora_weights"] = init.into();
+        write(&config);
+        import_peft(&dir, &model, false, &Device::Cpu).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn an_adapter_directory_of_either_format_loads_for_its_base() {
+    let model = tiny_model();
+    let adapter = trained_adapter(&model, lora_config(), SEED);
+    let ours = temp_dir("either-ours");
+    adapter.save(&ours, &BaseRef::of(&model)).unwrap();
+    let peft = temp_dir("either-peft");
+    export_peft(&adapter, &model.name, &peft).unwrap();
+    for (dir, format) in [
+        (&ours, AdapterFormat::Populora),
+        (&peft, AdapterFormat::Peft),
+    ] {
+        let loaded = AdapterDir::load_for(dir, &model, &Device::Cpu).unwrap();
+        assert_eq!(loaded.format, format);
+        assert_eq!(
+            loaded.adapter.checksum().unwrap(),
+            adapter.checksum().unwrap()
+        );
+        let renamed = ModelConfig {
+            name: "another-model".into(),
+            ..tiny_model()
+        };
+        let err = AdapterDir::load_for(dir, &renamed, &Device::Cpu).unwrap_err();
+        assert!(matches!(err, Error::BaseMismatch { .. }), "{err}");
+    }
+    let empty = temp_dir("either-empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let err = AdapterDir::read(&empty, &Device::Cpu).unwrap_err();
+    assert!(
+        matches!(err, Error::NotAnAdapter { .. })
+            && err.to_string().contains("adapter_config.json"),
+        "{err}"
+    );
+    for dir in [ours, peft, empty] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+#[test]
+fn a_members_first_adapter_and_module_norms() {
+    let model = tiny_model();
+    let make = |seed, member: &str| {
+        Adapter::for_member(lora_config(), &model, seed, member, &Device::Cpu).unwrap()
+    };
+    let first = make(SEED, "teacher-0");
+    let mut rng = keyed_stream!(SEED, "init", "teacher-0");
+    let by_hand = Adapter::new(lora_config(), &model, &mut rng, &Device::Cpu).unwrap();
+    assert_eq!(first.checksum().unwrap(), by_hand.checksum().unwrap());
+    assert_ne!(
+        first.checksum().unwrap(),
+        make(SEED, "teacher-1").checksum().unwrap()
+    );
+    for module in first.modules.values() {
+        let norms = module.norms().unwrap();
+        assert!(
+            norms.a > 0.0 && norms.b == 0.0 && norms.delta == 0.0,
+            "{norms:?}"
+        );
+    }
+    // On random factors the norms are those of the dense matrices.
+    let frobenius = |t: &Tensor| {
+        values(t)
+            .iter()
+            .map(|&x| (x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt()
+    };
+    let trained = trained_adapter(&model, lora_config(), SEED);
+    for (key, module) in &trained.modules {
+        let norms = module.norms().unwrap();
+        let dense = frobenius(&module.delta_w().unwrap());
+        assert!(
+            (norms.delta - dense).abs() <= 1e-5 * dense,
+            "{key}: {norms:?} vs {dense}"
+        );
+        assert!((norms.a - frobenius(module.a.as_tensor())).abs() < 1e-9);
+        assert!((norms.b - frobenius(module.b.as_tensor())).abs() < 1e-9);
+    }
 }
 
 // ---------------------------------------------------------------- AdamW

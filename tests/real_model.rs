@@ -220,3 +220,21 @@ fn one_selfplay_step_on_smollm2() {
         assert!(m.phase_ms.contains_key(phase), "{phase}");
     }
 }
+
+/// The cached GGUF is the model `fetch::DEFAULT_MODEL_IDENTITY` describes:
+/// its shape fingerprint, and the name its metadata gives it is an alias, so
+/// adapters naming the Hugging Face repo id match it.
+#[test]
+fn the_default_model_is_its_known_identity() {
+    use populora::base::fetch::DEFAULT_MODEL_IDENTITY;
+    use populora::lora::{names_model, shape_fingerprint, BaseRef};
+    let cfg = populora::base::read_config(&model_path()).unwrap();
+    assert_eq!(shape_fingerprint(&cfg), DEFAULT_MODEL_IDENTITY.fingerprint);
+    assert!(
+        DEFAULT_MODEL_IDENTITY.aliases.contains(&cfg.name.as_str()),
+        "{}",
+        cfg.name
+    );
+    assert!(names_model(DEFAULT_MODEL_IDENTITY.hf_repo, &cfg));
+    assert_eq!(BaseRef::of(&cfg).hf_name(), DEFAULT_MODEL_IDENTITY.hf_repo);
+}

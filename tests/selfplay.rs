@@ -86,6 +86,7 @@ fn scripted(
         picks: vec![Pick::Free; tokens.len()],
         tokens,
         logprobs,
+        top: Vec::new(),
         stop: StopReason::StopToken,
     }
 }

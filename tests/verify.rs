@@ -1100,3 +1100,44 @@ fn sets_keep_the_order_python_gives() {
         );
     }
 }
+
+/// A program can put lone surrogates (`chr(0xdc80)`) into an exception or a
+/// repr. JSON escapes them, but a reply holding one is not Unicode and was
+/// refused as malformed: the job ended as a sandbox error (which aborted an
+/// evaluation) instead of a verdict. Now they arrive as "?".
+#[test]
+fn lone_surrogates_in_what_a_program_says_are_verdicts_not_sandbox_errors() {
+    let _guard = serial();
+    let pool = pool(1);
+    let test = "def check(candidate):\n    assert candidate(1) == 1\n";
+    let raises = "def ident(x):\n    raise ValueError('bad ' + chr(0xdc80) + chr(0xd800))";
+    let judged = pool
+        .run_humaneval(raises, test, "ident")
+        .expect("a verdict, not a sandbox error");
+    assert_eq!(judged.status, Status::RuntimeError);
+    assert!(judged.reason.contains("bad ??"), "{}", judged.reason);
+    // The same in a proposal's exception and in a repr it returns.
+    let v = pool
+        .validate_proposal("def f(x):\n    raise KeyError(chr(0xdc80) + x)", "'k'")
+        .unwrap();
+    assert_eq!(v.status, Status::RuntimeError, "{v:?}");
+    let program = "def f(x):\n    class Odd:\n        def __repr__(self):\n            return chr(0xdc80) + x\n    return Odd()";
+    let v = pool.validate_proposal(program, "'k'").unwrap();
+    if v.status == Status::Ok {
+        assert_eq!(v.output.as_deref(), Some("?k"), "{v:?}");
+    }
+    // A hostile child that writes its own result with an escaped surrogate.
+    // (Its result pipe is the one descriptor above 2 it keeps.)
+    let forged = r#"import os
+def ident(x):
+    for fd in range(3, 64):
+        try:
+            os.write(fd, b'{"status": "ok", "outputs": ["\udc80"]}')
+        except OSError:
+            pass
+    os._exit(0)"#;
+    let judged = pool
+        .run_humaneval(forged, test, "ident")
+        .expect("a verdict, not a sandbox error");
+    assert_eq!(judged.status, Status::Ok, "{judged:?}");
+}

@@ -25,7 +25,7 @@ enum Command {
     Ctl(cli::ctl::Args),
     /// Re-execute a finished run and verify every checksum bit for bit.
     Replay(cli::replay::Args),
-    /// Continue a run from its last checkpoint.
+    /// Continue a crashed or stopped run from its newest checkpoint that loads.
     Resume(cli::resume::Args),
     /// Write the run report: plots (SVG, PNG) and index.html.
     Report(cli::report::Args),
@@ -33,11 +33,11 @@ enum Command {
     Eval(cli::eval::Args),
     /// A population against a compute-matched single-adapter baseline: run, evaluate, compare.
     Experiment(cli::experiment::Args),
-    /// Fetch the default model (or a data set) into the cache.
+    /// Fetch the default model into the cache and print its path.
     Fetch(cli::fetch::Args),
     /// Print the model's configuration and the cache location.
     Info(cli::info::Args),
-    /// Continue a prompt with the base model (optionally with an adapter).
+    /// Continue a prompt with the base model or with adapters (ours or PEFT's).
     Generate(cli::generate::Args),
     /// Apply one evolution operator (mutation or crossover) to saved adapters.
     Evolve(cli::evolve::Args),
@@ -50,6 +50,9 @@ enum Command {
     Export(cli::export::Args),
     /// Read a Hugging Face PEFT LoRA directory into an adapter.
     ImportPeft(cli::import_peft::Args),
+    /// Make a fresh adapter (as a run makes a member's) or describe one.
+    #[command(subcommand)]
+    Adapter(cli::adapter::Command),
 }
 
 fn main() {
@@ -72,6 +75,7 @@ fn main() {
         Command::Bench(bench) => cli::bench::run(bench),
         Command::Export(args) => cli::export::run(args),
         Command::ImportPeft(args) => cli::import_peft::run(args),
+        Command::Adapter(command) => cli::adapter::run(command),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

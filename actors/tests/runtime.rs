@@ -440,3 +440,102 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("holds another experiment"));
 }
+
+/// A run that crashed just after its last checkpoint (step 4) whose newest
+/// checkpoint then lost a byte of an optimizer file: resume skips it (moved
+/// aside, journaled with the reason), resumes from step 2, runs steps 3 and 4
+/// again and ends exactly as the uninterrupted run.
+#[test]
+fn a_corrupt_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_previous_one() {
+    let dir = scratch("corrupt");
+    let copied = Command::new("cp")
+        .args(["-a", baseline().to_str().unwrap(), dir.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    // The crash: everything up to the step-4 checkpoint event, no end event.
+    let text = journal(&dir);
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.contains(r#""event":"end""#))
+        .collect();
+    std::fs::write(dir.join("journal.jsonl"), kept.join("\n") + "\n").unwrap();
+    let newest = dir.join("checkpoints/step-000004");
+    let member = std::fs::read_dir(newest.join("members"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .min()
+        .unwrap();
+    let optimizer = member.join("optimizer/optimizer.safetensors");
+    let mut bytes = std::fs::read(&optimizer).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&optimizer, bytes).unwrap();
+
+    let out = populora(&["resume", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = ok(out);
+    assert!(stdout.contains("finished after 4 steps"), "{stdout}");
+    assert!(
+        stderr.contains("checkpoint of step 4 skipped") && stderr.contains("from step 2"),
+        "{stderr}"
+    );
+    let skipped = journal(&dir)
+        .lines()
+        .find(|l| l.contains(r#""event":"checkpoint_skipped""#))
+        .unwrap_or_else(|| panic!("no checkpoint_skipped event:\n{}", journal(&dir)))
+        .to_string();
+    assert!(
+        skipped.contains(r#""step":4"#)
+            && skipped.contains("optimizer.safetensors")
+            && skipped.contains("checksum mismatch")
+            && skipped.contains("checkpoints/skipped-step-000004"),
+        "{skipped}"
+    );
+    assert!(dir.join("checkpoints/skipped-step-000004").is_dir());
+    assert!(
+        newest.join("league.json").is_file(),
+        "step 4 is checkpointed again"
+    );
+    assert_eq!(end_line(&dir), end_line(baseline()));
+    // The skip sits where the step-2 checkpoint left the journal, before the rerun steps.
+    let text = journal(&dir);
+    let events: Vec<&str> = text.lines().collect();
+    let at = |what: &str| events.iter().position(|l| l.contains(what)).unwrap();
+    assert!(at("checkpoint_skipped") < at(r#""event":"step","step":3"#));
+}
+
+/// When no checkpoint loads, resume refuses and lists why for each.
+#[test]
+fn resume_without_a_loadable_checkpoint_names_every_reason() {
+    let dir = scratch("all-corrupt");
+    let copied = Command::new("cp")
+        .args(["-a", baseline().to_str().unwrap(), dir.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let text = journal(&dir);
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.contains(r#""event":"end""#))
+        .collect();
+    std::fs::write(dir.join("journal.jsonl"), kept.join("\n") + "\n").unwrap();
+    for step in ["step-000002", "step-000004"] {
+        std::fs::write(dir.join("checkpoints").join(step).join("league.json"), "{").unwrap();
+    }
+    let out = populora(&["resume", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no checkpoint") && err.contains("step 4:") && err.contains("step 2:"),
+        "{err}"
+    );
+    assert!(
+        dir.join("checkpoints/step-000004").is_dir(),
+        "nothing is moved when the run cannot resume"
+    );
+}

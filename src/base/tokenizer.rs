@@ -197,6 +197,16 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))
     }
 
+    /// The text of a generated reply: its tokens without the stop token that
+    /// ended it (the turn's end is not part of the reply).
+    pub fn decode_reply(&self, tokens: &[u32]) -> Result<String> {
+        let end = match tokens.last() {
+            Some(t) if self.stop_ids.contains(t) => tokens.len() - 1,
+            _ => tokens.len(),
+        };
+        self.decode(&tokens[..end])
+    }
+
     /// Encode a user turn in the model's chat format, ready for the assistant.
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
         self.encode(&self.chat.render(messages))

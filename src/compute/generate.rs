@@ -130,6 +130,12 @@ pub struct Generation {
     pub logprobs: Vec<f32>,
     /// How each token was chosen.
     pub picks: Vec<Pick>,
+    /// Only from [`generate_with_top`] (empty otherwise): per token, the most
+    /// likely tokens of the distribution it was picked from and their
+    /// log-probs, best first, as `logprobs` records them (so the picked
+    /// token's entry, when it is among them, equals its `logprobs` value).
+    /// Empty for a forced token: nothing was picked.
+    pub top: Vec<Vec<(u32, f32)>>,
     pub stop: StopReason,
 }
 
@@ -164,6 +170,8 @@ struct Row {
     constraint: Option<Constraint>,
     /// What the next token is sampled from (constrained rows).
     mask: Option<TokenMask>,
+    /// How many of each pick's most likely tokens to record (0: none).
+    top: usize,
     out: Generation,
     done: bool,
 }
@@ -190,6 +198,34 @@ pub fn generate_with_stats(
     adapters: &AdapterSet,
     requests: Vec<GenRequest>,
 ) -> Result<(Vec<Generation>, DecodeStats)> {
+    decode(model, adapters, requests, 0)
+}
+
+/// [`generate`], also recording for every picked token the `top` most likely
+/// tokens with their log-probs ([`Generation::top`]).
+///
+/// They come from the very logits the token was picked from (after the
+/// grammar's mask and the temperature), not from scoring the finished
+/// sequence again: a second pass would run other kernels (a prefill instead
+/// of decode steps, see the module doc) and could differ in the last bits,
+/// and would have to redo the masks. The tokens themselves are the ones
+/// [`generate`] gives.
+pub fn generate_with_top(
+    model: &Llama,
+    adapters: &AdapterSet,
+    requests: Vec<GenRequest>,
+    top: usize,
+) -> Result<Vec<Generation>> {
+    Ok(decode(model, adapters, requests, top)?.0)
+}
+
+/// The decoder behind [`generate_with_stats`] and [`generate_with_top`].
+fn decode(
+    model: &Llama,
+    adapters: &AdapterSet,
+    requests: Vec<GenRequest>,
+    top: usize,
+) -> Result<(Vec<Generation>, DecodeStats)> {
     adapters.check(&model.config)?;
     let context = model.config.max_position_embeddings;
     for (row, r) in requests.iter().enumerate() {
@@ -200,7 +236,7 @@ pub fn generate_with_stats(
     let mut rows: Vec<Row> = requests
         .into_iter()
         .enumerate()
-        .map(|(i, request)| Row::new(i, request))
+        .map(|(i, request)| Row::new(i, request, top))
         .collect();
     // The grammars' first forced tokens, before the prefill.
     let started = Instant::now();
@@ -342,17 +378,19 @@ fn check_request(row: usize, r: &GenRequest, model: &Llama) -> Result<()> {
 }
 
 impl Row {
-    fn new(index: usize, request: GenRequest) -> Row {
+    fn new(index: usize, request: GenRequest, top: usize) -> Row {
         Row {
             index,
             feed: request.prompt.clone(),
             pad: 0,
             constraint: request.grammar.as_ref().map(|g| g.start()),
             mask: None,
+            top,
             out: Generation {
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
                 picks: Vec::new(),
+                top: Vec::new(),
                 stop: StopReason::MaxTokens,
             },
             done: request.max_new_tokens == 0,
@@ -388,6 +426,11 @@ impl Row {
             logits.iter_mut().for_each(|l| *l *= inv);
         }
         let logprob = kernels::log_softmax_at(&logits, token as usize);
+        if self.top > 0 {
+            self.out
+                .top
+                .push(kernels::top_log_softmax(&logits, self.top));
+        }
         self.push(token, logprob, pick, context);
         if self.done {
             return 0.0;
@@ -418,6 +461,9 @@ impl Row {
             return self.end(StopReason::GrammarFailed);
         };
         for token in step.forced {
+            if self.top > 0 {
+                self.out.top.push(Vec::new());
+            }
             self.push(token, 0.0, Pick::Forced, context);
             if self.done {
                 return;

@@ -106,10 +106,11 @@ fn read_text(path: &Path) -> Result<String, EvalError> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ItemRecord {
     pub benchmark: String,
-    /// The item's id (HumanEval's `task_id`; empty for the math sets; one
-    /// HumanEval problem gives several HumanEval-IO items).
+    /// The item's id (HumanEval's `task_id`, `gsm8k/N` or `math/N` for the
+    /// Nth problem of a math set; one HumanEval problem gives several
+    /// HumanEval-IO items).
     pub task_id: String,
-    /// The item's position in its benchmark.
+    /// The item's position in its whole benchmark (whatever was selected).
     pub item: usize,
     pub member: String,
     /// Which sample of the item (0 when greedy).

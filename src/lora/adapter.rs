@@ -134,6 +134,37 @@ impl LoraModule {
     pub fn delta_w(&self) -> candle_core::Result<Tensor> {
         self.b.as_tensor().matmul(self.a.as_tensor())
     }
+
+    /// Frobenius norms of A, B and the unscaled update `B·A`, the last without
+    /// forming it: `‖B·A‖² = Σ (BᵀB) ⊙ (A·Aᵀ)`, two `[r, r]` products.
+    pub fn norms(&self) -> candle_core::Result<ModuleNorms> {
+        let (a, b) = (self.a.as_tensor(), self.b.as_tensor());
+        let frobenius = |t: &Tensor| -> candle_core::Result<f64> {
+            Ok(t.to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?
+                .sqrt())
+        };
+        let (a64, b64) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+        let gram_a = a64.matmul(&a64.t()?)?;
+        let gram_b = b64.t()?.matmul(&b64)?;
+        let delta_sq = (gram_a * gram_b)?.sum_all()?.to_scalar::<f64>()?;
+        Ok(ModuleNorms {
+            a: frobenius(a)?,
+            b: frobenius(b)?,
+            delta: delta_sq.max(0.0).sqrt(),
+        })
+    }
+}
+
+/// Frobenius norms of one module's factors and of its update `B·A`
+/// (unscaled: multiply by [`LoraConfig::scale`] for the applied ΔW).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ModuleNorms {
+    pub a: f64,
+    pub b: f64,
+    pub delta: f64,
 }
 
 /// A LoRA adapter for one base model. Modules are kept in a `BTreeMap` so that
@@ -173,6 +204,21 @@ impl Adapter {
             }
         }
         Ok(Adapter { config, modules })
+    }
+
+    /// The initial adapter of population member `member` in a run seeded
+    /// `seed`: [`Adapter::new`] from the stream keyed `(seed, "init",
+    /// member)`. Every run starts its members this way, and `populora adapter
+    /// new` makes the same adapter.
+    pub fn for_member(
+        config: LoraConfig,
+        model: &ModelConfig,
+        seed: u64,
+        member: &str,
+        device: &Device,
+    ) -> candle_core::Result<Adapter> {
+        let mut rng = crate::keyed_stream!(seed, "init", member);
+        Adapter::new(config, model, &mut rng, device)
     }
 
     pub fn scale(&self) -> f64 {

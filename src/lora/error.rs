@@ -57,6 +57,9 @@ pub enum Error {
         value: String,
     },
 
+    #[error("{path} is not an adapter directory: it holds neither adapter.json (a populora adapter) nor adapter_config.json (a PEFT adapter)")]
+    NotAnAdapter { path: PathBuf },
+
     #[error("invalid LoRA config: {0}")]
     InvalidConfig(String),
 
@@ -98,7 +101,7 @@ pub enum Error {
     #[error("module {0} is present but its target is not in the config's targets")]
     UnexpectedModule(ModuleKey),
 
-    #[error("adapter was made for base {found:?} but the base model is {expected:?}")]
+    #[error("adapter was made for base {found:?} but the base model is {expected}")]
     BaseMismatch { expected: String, found: String },
 
     #[error("gradients do not match the adapter: {0}")]

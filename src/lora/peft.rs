@@ -12,8 +12,12 @@
 //! trained on it, is already in HF layout, which is PEFT's layout.
 //!
 //! Import is strict: an unknown key or target module, a LoRA variant we do not
-//! implement (DoRA, per-layer rank or alpha patterns, a layer subset, biases,
-//! `modules_to_save`), inconsistent shapes or a different base is an error.
+//! implement (DoRA, QA-LoRA, per-layer rank or alpha patterns, a layer subset
+//! or replication, biases, `modules_to_save`, trainable tokens, aLoRA or
+//! Arrow routing, an initialisation that changed the base), inconsistent
+//! shapes or a different base is an error. The base is matched by identity: its name, or another
+//! name of the same known model of the same shape (`base::fetch::KNOWN_MODELS`).
+//! Every field PEFT 0.13 to 0.19 writes is understood.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -26,8 +30,8 @@ use super::files::{
     encode_safetensors, read_json, read_safetensors, to_json_bytes, write_atomically,
 };
 use super::shape::{FACTOR_A, FACTOR_B};
-use super::store::{module_from, same_model_name};
-use super::{Adapter, LoraConfig, ModuleKey, Target};
+use super::store::module_from;
+use super::{Adapter, BaseRef, LoraConfig, ModuleKey, Target};
 use crate::base::ModelConfig;
 
 pub const PEFT_CONFIG: &str = "adapter_config.json";
@@ -141,7 +145,8 @@ pub fn read_peft(dir: &Path, device: &Device) -> Result<PeftAdapter> {
 }
 
 /// [`read_peft`] for the base `cfg`: the named base must be `cfg` (unless
-/// `allow_other_base`) and every shape must fit it.
+/// `allow_other_base`), by name or as a known model's alias
+/// ([`super::names_model`]), and every shape must fit it.
 pub fn import_peft(
     dir: &Path,
     cfg: &ModelConfig,
@@ -149,11 +154,8 @@ pub fn import_peft(
     device: &Device,
 ) -> Result<PeftAdapter> {
     let peft = read_peft(dir, device)?;
-    if !allow_other_base && !same_model_name(&peft.base_model, &cfg.name) {
-        return Err(Error::BaseMismatch {
-            expected: cfg.name.clone(),
-            found: peft.base_model,
-        });
+    if !allow_other_base {
+        BaseRef::named(&peft.base_model).check(cfg)?;
     }
     peft.adapter.check_against(cfg)?;
     Ok(peft)
@@ -279,27 +281,58 @@ impl PeftFields<'_> {
         }
     }
 
-    /// Fields whose non-default values change what the adapter computes.
+    /// Fields whose non-default values change what the adapter computes, up
+    /// to PEFT 0.19 (a null counts as the default; fields PEFT adds later are
+    /// ignored). Dropout, `inference_mode`, `revision`, the Megatron fields and
+    /// initialisations that leave the base alone do not matter once trained.
     fn require_defaults(&self) -> Result<()> {
-        let is = |field: &str, ok: &dyn Fn(&Value) -> bool| self.get(field).is_none_or(ok);
-        let checks: [(&'static str, bool); 9] = [
-            ("peft_type", self.get("peft_type") == Some(&json!("LORA"))),
-            (
-                "fan_in_fan_out",
-                is("fan_in_fan_out", &|v| v == &json!(false)),
-            ),
-            ("bias", is("bias", &|v| v == &json!("none"))),
-            ("use_dora", is("use_dora", &|v| v == &json!(false))),
-            ("layers_to_transform", is("layers_to_transform", &|_| false)),
-            ("rank_pattern", is("rank_pattern", &empty_map)),
-            ("alpha_pattern", is("alpha_pattern", &empty_map)),
-            ("modules_to_save", is("modules_to_save", &empty_list)),
-            ("task_type", is("task_type", &|v| v == &json!("CAUSAL_LM"))),
+        if self.get("peft_type") != Some(&json!("LORA")) {
+            return Err(self.unsupported("peft_type", self.shown("peft_type")));
+        }
+        let is_false = |v: &Value| v == &json!(false);
+        let checks: [FieldCheck; 18] = [
+            ("task_type", |v| v == &json!("CAUSAL_LM")),
+            ("fan_in_fan_out", is_false),
+            ("bias", |v| v == &json!("none")),
+            ("lora_bias", is_false),
+            ("use_dora", is_false),
+            ("use_qalora", is_false),
+            ("use_bdlora", is_false),
+            ("layers_to_transform", |_| false),
+            ("layer_replication", |_| false),
+            ("rank_pattern", empty_map),
+            ("alpha_pattern", empty_map),
+            ("modules_to_save", empty_list),
+            ("exclude_modules", empty_list),
+            ("target_parameters", empty_list),
+            ("trainable_token_indices", |_| false),
+            ("alora_invocation_tokens", |_| false),
+            ("arrow_config", |_| false),
+            ("init_lora_weights", keeps_the_base),
         ];
-        match checks.into_iter().find(|(_, ok)| !ok) {
+        match checks
+            .into_iter()
+            .find(|(field, ok)| self.get(field).is_some_and(|v| !ok(v)))
+        {
             Some((field, _)) => Err(self.unsupported(field, self.shown(field))),
             None => Ok(()),
         }
+    }
+}
+
+/// A config field and whether a value of it is one we implement.
+type FieldCheck = (&'static str, fn(&Value) -> bool);
+
+/// Whether an `init_lora_weights` leaves the base weights as they were.
+/// PiSSA, OLoRA, CorDA, LoRA-GA and LoftQ move part of the weight into the
+/// factors (or quantize it): such an adapter belongs to a changed base.
+fn keeps_the_base(v: &Value) -> bool {
+    match v {
+        Value::Bool(_) => true,
+        Value::String(how) => !["pissa", "olora", "corda", "lora_ga", "loftq"]
+            .iter()
+            .any(|changes| how.starts_with(changes)),
+        _ => false,
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Var};
 
 use super::error::{Error, Result};
-use super::{Adapter, ModuleKey, Target};
+use super::{Adapter, LoraConfig, ModuleKey, Target};
 use crate::base::ModelConfig;
 
 pub(crate) const FACTOR_A: &str = "lora_A";
@@ -16,6 +16,32 @@ pub(crate) const FACTOR_B: &str = "lora_B";
 impl std::fmt::Display for ModuleKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "layers.{}.{}", self.layer, self.target)
+    }
+}
+
+impl LoraConfig {
+    /// A rank of at least 1, a finite positive alpha, and targets listed once.
+    pub fn check(&self) -> Result<()> {
+        if self.rank == 0 {
+            return Err(Error::InvalidConfig("rank must be at least 1".into()));
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(Error::InvalidConfig(format!(
+                "alpha must be finite and positive, got {}",
+                self.alpha
+            )));
+        }
+        if self.targets.is_empty() {
+            return Err(Error::InvalidConfig("no target modules".into()));
+        }
+        for (i, target) in self.targets.iter().enumerate() {
+            if self.targets[..i].contains(target) {
+                return Err(Error::InvalidConfig(format!(
+                    "target {target} listed twice"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -76,26 +102,7 @@ impl Adapter {
     }
 
     fn check_config(&self) -> Result<()> {
-        let config = &self.config;
-        if config.rank == 0 {
-            return Err(Error::InvalidConfig("rank must be at least 1".into()));
-        }
-        if !(config.alpha.is_finite() && config.alpha > 0.0) {
-            return Err(Error::InvalidConfig(format!(
-                "alpha must be finite and positive, got {}",
-                config.alpha
-            )));
-        }
-        if config.targets.is_empty() {
-            return Err(Error::InvalidConfig("no target modules".into()));
-        }
-        for (i, target) in config.targets.iter().enumerate() {
-            if config.targets[..i].contains(target) {
-                return Err(Error::InvalidConfig(format!(
-                    "target {target} listed twice"
-                )));
-            }
-        }
+        self.config.check()?;
         if self.modules.is_empty() {
             return Err(Error::InvalidConfig("adapter has no modules".into()));
         }

@@ -18,7 +18,7 @@ use super::error::{Error, Result};
 use super::files::{f32_bytes, read_json, read_safetensors, to_json_bytes, write_atomically};
 use super::shape::{FACTOR_A, FACTOR_B};
 use super::{Adapter, LoraConfig, LoraModule, ModuleKey};
-use crate::base::fetch::hex;
+use crate::base::fetch::{hex, ModelIdentity, KNOWN_MODELS};
 use crate::base::ModelConfig;
 
 pub const ADAPTER_TENSORS: &str = "adapter.safetensors";
@@ -43,20 +43,74 @@ impl BaseRef {
         }
     }
 
-    /// Whether this is plausibly `cfg`: same name (see [`same_model_name`]) and,
-    /// if recorded, the same shape fingerprint.
+    /// A base known only by name (a PEFT file's `base_model_name_or_path`).
+    pub fn named(name: &str) -> BaseRef {
+        BaseRef {
+            name: name.to_string(),
+            fingerprint: None,
+        }
+    }
+
+    /// Whether this is plausibly `cfg`: the same shape fingerprint, if one was
+    /// recorded, and a name of the same model ([`names_model`]).
     pub fn check(&self, cfg: &ModelConfig) -> Result<()> {
         let fingerprint_differs = self
             .fingerprint
             .as_ref()
             .is_some_and(|f| *f != shape_fingerprint(cfg));
-        if !same_model_name(&self.name, &cfg.name) || fingerprint_differs {
+        if fingerprint_differs || !names_model(&self.name, cfg) {
             return Err(Error::BaseMismatch {
-                expected: cfg.name.clone(),
+                expected: model_label(cfg),
                 found: self.name.clone(),
             });
         }
         Ok(())
+    }
+
+    /// The name PEFT and transformers load this base by (PEFT's
+    /// `base_model_name_or_path`): the Hugging Face repo id of a known model
+    /// ([`known_model`]; the default model's GGUF names itself otherwise),
+    /// else the name as recorded, which for a Hugging Face directory is its
+    /// `config.json`'s `_name_or_path`.
+    pub fn hf_name(&self) -> &str {
+        known_model(&self.name, self.fingerprint.as_deref()).map_or(&self.name, |m| m.hf_repo)
+    }
+}
+
+/// The known model (`base::fetch::KNOWN_MODELS`) that `name` names, if its
+/// shape is `fingerprint` (when given).
+pub fn known_model(name: &str, fingerprint: Option<&str>) -> Option<&'static ModelIdentity> {
+    KNOWN_MODELS.iter().find(|m| {
+        fingerprint.is_none_or(|f| f == m.fingerprint)
+            && m.names().any(|known| same_model_name(known, name))
+    })
+}
+
+/// Whether `name` names the model `cfg`: the same name ([`same_model_name`]),
+/// or two names of one known model whose shape `cfg` has (so a PEFT file's
+/// `HuggingFaceTB/SmolLM2-135M-Instruct` names the GGUF that calls itself
+/// `Smollm2 135M 8k Lc100K Mix1 Ep2`, and `HuggingFaceTB/SmolLM2-135M`,
+/// another model of the same shape, does not).
+pub fn names_model(name: &str, cfg: &ModelConfig) -> bool {
+    if same_model_name(name, &cfg.name) {
+        return true;
+    }
+    let fingerprint = shape_fingerprint(cfg);
+    match (
+        known_model(name, Some(&fingerprint)),
+        known_model(&cfg.name, Some(&fingerprint)),
+    ) {
+        (Some(a), Some(b)) => a.hf_repo == b.hf_repo,
+        _ => false,
+    }
+}
+
+/// `cfg`'s name for messages, with its Hugging Face repo id when it is a
+/// known model under another name.
+pub fn model_label(cfg: &ModelConfig) -> String {
+    match known_model(&cfg.name, Some(&shape_fingerprint(cfg))) {
+        Some(m) if m.hf_repo != cfg.name => format!("{:?} ({})", cfg.name, m.hf_repo),
+        _ => format!("{:?}", cfg.name),
     }
 }
 

@@ -186,11 +186,7 @@ impl StepContext<'_> {
 
     /// Response tokens as text; the stop token is not part of the answer.
     fn decode(&self, tokens: &[u32]) -> Result<String> {
-        let end = match tokens.last() {
-            Some(t) if self.tokenizer.stop_ids.contains(t) => tokens.len() - 1,
-            _ => tokens.len(),
-        };
-        Ok(self.tokenizer.decode(&tokens[..end])?)
+        Ok(self.tokenizer.decode_reply(tokens)?)
     }
 }
 

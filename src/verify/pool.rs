@@ -323,18 +323,20 @@ impl VerifierPool {
     }
 
     /// Run a request on free servers of `role`, up to `tries` times while the
-    /// server fails. When a checker still fails, that is the job's verdict: its
-    /// input was too slow to parse (`Timeout`) or killed the checker
-    /// (`Crashed`). A server that cannot be started is an `Err`.
+    /// server fails or cannot be started (a fresh one is started for the next
+    /// try). When a checker still fails, that is the job's verdict: its input
+    /// was too slow to parse (`Timeout`) or killed the checker (`Crashed`). A
+    /// server that cannot be started on the last try is an `Err`.
     fn call_with(&self, role: Role, request: &Request, tries: usize) -> Result<Reply, Error> {
         let started = Instant::now();
-        let mut result = self.call_once(role, request)?;
+        let mut attempt = self.call_once(role, request);
         for _ in 1..tries {
-            if result.is_ok() {
+            if matches!(attempt, Ok(Ok(_))) {
                 break;
             }
-            result = self.call_once(role, request)?;
+            attempt = self.call_once(role, request);
         }
+        let result = attempt?;
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
         let times = if tries > 1 { ", every try" } else { "" };
         match (role, result) {

@@ -361,7 +361,15 @@ def describe(exc):
         text = "%s: %s" % (type(exc).__name__, exc)
     except BaseException:
         text = type(exc).__name__
-    return text[:REASON_CHARS]
+    return clean(text[:REASON_CHARS])
+
+
+def clean(text):
+    """`text` with every lone surrogate replaced by "?". A program can make
+    such strings (chr(0xdc80)) and put them in an exception or a repr; JSON
+    escapes them, but they are not Unicode, and the Rust side refuses a reply
+    holding one: the job failed as a sandbox error instead of a verdict."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def check_top_level(tree):
@@ -643,7 +651,7 @@ def run_calls(code, name, calls):
             args, kwargs = fresh()
         except BaseException as exc:
             raise Reject("bad_input", "input failed to evaluate: %s" % describe(exc))
-        outputs.append(repr(fn(*args, **kwargs))[:OUTPUT_CHARS])
+        outputs.append(clean(repr(fn(*args, **kwargs))[:OUTPUT_CHARS]))
     return outputs
 
 
@@ -1107,7 +1115,8 @@ def well_formed(result):
         if key in raw:
             if not ok(raw[key]):
                 return None
-            reply[key] = raw[key]
+            value = raw[key]
+            reply[key] = clean(value) if isinstance(value, str) else [clean(v) for v in value]
     return reply
 
 
@@ -1225,15 +1234,18 @@ def main():
             __import__(name)
     else:
         status_fd = quiet_checker(proto_in, proto_out)
-        learn_reaching_names()
+    # Whatever fails before the hello is said in it: the checker's stderr goes
+    # nowhere, and a server that just exits tells the trainer nothing.
     try:
+        if role == "checker":
+            learn_reaching_names()
         st = isolate(cfg)
         if role == "checker":
             confine_checker(st, cfg["limits"])
-    except Exception as exc:  # the checker's stderr goes nowhere: say why here
+        warm_up(role)
+    except Exception as exc:
         write_msg(proto_out, {"fatal": describe(exc)})
         return
-    warm_up(role)
     if role == "zygote":
         gc.collect()
         fill_free_blocks()

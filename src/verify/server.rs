@@ -172,10 +172,17 @@ impl Server {
             stdout,
             layers: Vec::new(),
         };
-        let hello = server.receive(
-            Instant::now() + Duration::from_millis(STARTUP_MS),
-            STARTUP_MS,
-        )?;
+        let hello = server
+            .receive(
+                Instant::now() + Duration::from_millis(STARTUP_MS),
+                STARTUP_MS,
+            )
+            .map_err(|e| match e {
+                Error::Unresponsive(ms) => {
+                    Error::Refused(format!("the {role:?} sent no hello within {ms} ms"))
+                }
+                other => other,
+            })?;
         if let Some(fatal) = hello.get("fatal").and_then(|v| v.as_str()) {
             return Err(Error::Refused(fatal.to_string()));
         }

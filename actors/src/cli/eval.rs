@@ -4,7 +4,7 @@
 //! writes `DIR/eval.json` for the report and `DIR/eval/samples-<member>.jsonl`
 //! for the official HumanEval harness.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -42,9 +42,18 @@ pub struct Args {
     /// A MATH-format JSONL file (`problem`, `solution` with `\boxed{}`).
     #[arg(long)]
     pub math: Option<PathBuf>,
-    /// Only the first N items of each benchmark (0 = all).
+    /// Only the first N items of each benchmark (0 = all); after --tasks.
     #[arg(long, default_value_t = 0)]
     pub limit: usize,
+    /// Only these tasks, comma-separated: HumanEval ids such as HumanEval/12
+    /// (also selecting that problem's HumanEval-IO items), gsm8k/N or math/N
+    /// (the Nth problem of --gsm8k / --math, from 0). Unknown ids are an error.
+    #[arg(long, value_name = "ID,...", conflicts_with = "tasks_from")]
+    pub tasks: Option<String>,
+    /// Like --tasks, one task id per line (blank lines and lines starting
+    /// with # are skipped).
+    #[arg(long, value_name = "FILE")]
+    pub tasks_from: Option<PathBuf>,
     /// Samples per item: 1 = greedy pass@1; more adds pass@k (temperature 0.8).
     #[arg(long, default_value_t = 1)]
     pub samples: usize,
@@ -73,6 +82,8 @@ pub struct Options {
     pub benchmarks: String,
     pub gsm8k: Option<PathBuf>,
     pub math: Option<PathBuf>,
+    /// Only items of these task ids (`None`: every item).
+    pub tasks: Option<BTreeSet<String>>,
     pub limit: usize,
     pub samples: usize,
     pub k: usize,
@@ -83,18 +94,38 @@ pub struct Options {
 }
 
 impl Args {
-    fn options(&self) -> Options {
-        Options {
+    fn options(&self) -> anyhow::Result<Options> {
+        Ok(Options {
             benchmarks: self.benchmarks.clone(),
             gsm8k: self.gsm8k.clone(),
             math: self.math.clone(),
+            tasks: self.tasks()?,
             limit: self.limit,
             samples: self.samples,
             k: self.k,
             max_new_tokens: self.max_new_tokens,
             batch: self.batch,
             constrained: !self.free_decoding,
+        })
+    }
+
+    /// The ids of --tasks or --tasks-from.
+    fn tasks(&self) -> anyhow::Result<Option<BTreeSet<String>>> {
+        let ids: Vec<String> = match (&self.tasks, &self.tasks_from) {
+            (Some(list), _) => list.split(',').map(|id| id.trim().to_string()).collect(),
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading --tasks-from {}", path.display()))?
+                .lines()
+                .map(|line| line.trim().to_string())
+                .filter(|line| !line.starts_with('#'))
+                .collect(),
+            (None, None) => return Ok(None),
+        };
+        let ids: BTreeSet<String> = ids.into_iter().filter(|id| !id.is_empty()).collect();
+        if ids.is_empty() {
+            bail!("no task ids given (--tasks or --tasks-from is empty)");
         }
+        Ok(Some(ids))
     }
 }
 
@@ -117,6 +148,9 @@ type Exporter = Box<dyn Fn(&str) -> String>;
 /// One prompt and how to score a response to it.
 struct Item {
     id: String,
+    /// Its position in the whole benchmark (before --tasks and --limit):
+    /// recorded, and part of its sampling stream's key.
+    index: usize,
     chat: ChatPrompt,
     score: Scorer,
     /// HumanEval: the response as the official harness's `completion`.
@@ -141,7 +175,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.base {
         rows.push((BASE_ROW.to_string(), None));
     }
-    let options = args.options();
+    let options = args.options()?;
     let evaluation = evaluate_rows(&options, &engine, &pool, &rows, scenario.seed)?;
     write(&args.dir, &evaluation)?;
     let (members, baseline, base) = split_rows(evaluation.results);
@@ -280,19 +314,56 @@ pub fn member_names(dir: &Path) -> anyhow::Result<Vec<String>> {
     Ok(names)
 }
 
+/// The benchmarks of `args`, narrowed to its tasks and limit.
 fn benchmarks(
     args: &Options,
     engine: &Engine,
     pool: &VerifierPool,
 ) -> anyhow::Result<Vec<Benchmark>> {
-    let mut out = Vec::new();
-    let limit = |n: usize| {
-        if args.limit == 0 {
-            n
-        } else {
-            n.min(args.limit)
+    let all = all_benchmarks(args, engine, pool)?;
+    if let Some(tasks) = &args.tasks {
+        let known: BTreeSet<&str> = all
+            .iter()
+            .flat_map(|b| b.items.iter().map(|i| i.id.as_str()))
+            .collect();
+        let unknown: Vec<&str> = tasks
+            .iter()
+            .map(String::as_str)
+            .filter(|id| !known.contains(id))
+            .collect();
+        if !unknown.is_empty() {
+            bail!(
+                "unknown task id(s) for benchmarks {}: {} (HumanEval ids look like HumanEval/12; math sets use gsm8k/N and math/N)",
+                all.iter().map(|b| b.name.as_str()).collect::<Vec<_>>().join(", "),
+                unknown.join(", ")
+            );
         }
-    };
+    }
+    Ok(all
+        .into_iter()
+        .map(|bench| Benchmark {
+            name: bench.name,
+            items: bench
+                .items
+                .into_iter()
+                .filter(|item| args.tasks.as_ref().is_none_or(|t| t.contains(&item.id)))
+                .take(if args.limit == 0 {
+                    usize::MAX
+                } else {
+                    args.limit
+                })
+                .collect(),
+        })
+        .collect())
+}
+
+/// Every item of every benchmark `args` names, each with its index.
+fn all_benchmarks(
+    args: &Options,
+    engine: &Engine,
+    pool: &VerifierPool,
+) -> anyhow::Result<Vec<Benchmark>> {
+    let mut out = Vec::new();
     let wanted: Vec<&str> = args
         .benchmarks
         .split(',')
@@ -308,23 +379,10 @@ fn benchmarks(
     for name in wanted {
         match name {
             "humaneval" => {
-                let items = problems[..limit(problems.len())]
+                let items = problems
                     .iter()
-                    .map(|p| {
-                        let (p, q) = (p.clone(), p.clone());
-                        Item {
-                            id: p.task_id.clone(),
-                            chat: humaneval::prompt(&p),
-                            score: Box::new(move |pool, response| {
-                                let completion = humaneval::completion_from_response(&p, response);
-                                Ok(humaneval::score(pool, &p, &completion)?)
-                            }),
-                            export: Some(Box::new(move |response| {
-                                humaneval::completion_from_response(&q, response)
-                            })),
-                            grammar: None,
-                        }
-                    })
+                    .enumerate()
+                    .map(|(index, p)| humaneval_item(index, p))
                     .collect();
                 out.push(Benchmark { name: "humaneval".into(), items });
             }
@@ -334,11 +392,13 @@ fn benchmarks(
                 let grammars = io_grammars(args, engine)?;
                 warn_unanswerable(&set.items);
                 for kind in [humaneval_io::IoKind::Output, humaneval_io::IoKind::Input] {
-                    let chosen: Vec<_> = set.items.iter().filter(|i| i.kind == kind).cloned().collect();
                     let grammars = grammars.as_ref();
-                    let items = chosen[..limit(chosen.len())]
+                    let items = set
+                        .items
                         .iter()
-                        .map(|i| io_item(i, grammars))
+                        .filter(|i| i.kind == kind)
+                        .enumerate()
+                        .map(|(index, i)| io_item(index, i, grammars))
                         .collect::<anyhow::Result<_>>()?;
                     let name = match kind {
                         humaneval_io::IoKind::Output => "humaneval-io-output",
@@ -351,18 +411,16 @@ fn benchmarks(
         }
     }
     if let Some(path) = &args.gsm8k {
-        let set = math::load_gsm8k(path)?;
-        let items = set[..limit(set.len())]
-            .iter()
-            .map(|p| {
-                let p = p.clone();
-                Item {
-                    id: String::new(),
-                    export: None,
-                    grammar: None,
-                    chat: math::gsm8k_prompt(&p),
-                    score: Box::new(move |_, response| Ok(math::score_gsm8k(&p, response))),
-                }
+        let items = math::load_gsm8k(path)?
+            .into_iter()
+            .enumerate()
+            .map(|(index, p)| Item {
+                id: format!("gsm8k/{index}"),
+                index,
+                export: None,
+                grammar: None,
+                chat: math::gsm8k_prompt(&p),
+                score: Box::new(move |_, response| Ok(math::score_gsm8k(&p, response))),
             })
             .collect();
         out.push(Benchmark {
@@ -371,18 +429,16 @@ fn benchmarks(
         });
     }
     if let Some(path) = &args.math {
-        let set = math::load_math(path)?;
-        let items = set[..limit(set.len())]
-            .iter()
-            .map(|p| {
-                let p = p.clone();
-                Item {
-                    id: String::new(),
-                    export: None,
-                    grammar: None,
-                    chat: math::math_prompt(&p),
-                    score: Box::new(move |_, response| Ok(math::score_math(&p, response))),
-                }
+        let items = math::load_math(path)?
+            .into_iter()
+            .enumerate()
+            .map(|(index, p)| Item {
+                id: format!("math/{index}"),
+                index,
+                export: None,
+                grammar: None,
+                chat: math::math_prompt(&p),
+                score: Box::new(move |_, response| Ok(math::score_math(&p, response))),
             })
             .collect();
         out.push(Benchmark {
@@ -432,9 +488,31 @@ fn warn_unanswerable(items: &[humaneval_io::IoItem]) {
     }
 }
 
+/// A HumanEval problem: the whole function asked for, run against its tests.
+fn humaneval_item(index: usize, problem: &humaneval::Problem) -> Item {
+    let (p, q) = (problem.clone(), problem.clone());
+    Item {
+        id: p.task_id.clone(),
+        index,
+        chat: humaneval::prompt(&p),
+        score: Box::new(move |pool, response| {
+            let completion = humaneval::completion_from_response(&p, response);
+            Ok(humaneval::score(pool, &p, &completion)?)
+        }),
+        export: Some(Box::new(move |response| {
+            humaneval::completion_from_response(&q, response)
+        })),
+        grammar: None,
+    }
+}
+
 /// A HumanEval-IO item in the self-play solver format, scored by AZR's
 /// rules; its answer is decoded under the solver grammar when `grammars` has it.
-fn io_item(item: &humaneval_io::IoItem, grammars: Option<&Grammars>) -> anyhow::Result<Item> {
+fn io_item(
+    index: usize,
+    item: &humaneval_io::IoItem,
+    grammars: Option<&Grammars>,
+) -> anyhow::Result<Item> {
     let triplet = Triplet {
         program: item.program.clone(),
         input: item.input.clone(),
@@ -451,6 +529,7 @@ fn io_item(item: &humaneval_io::IoItem, grammars: Option<&Grammars>) -> anyhow::
     let item = item.clone();
     Ok(Item {
         id: item.task_id.clone(),
+        index,
         export: None,
         grammar,
         chat: prompt.chat,
@@ -459,6 +538,42 @@ fn io_item(item: &humaneval_io::IoItem, grammars: Option<&Grammars>) -> anyhow::
             Err(_) => Ok(false),
         }),
     })
+}
+
+/// Tries at scoring one answer when the sandbox itself fails (a server that
+/// died or could not start; the pool replaces it).
+const SCORE_TRIES: u64 = 3;
+
+/// Score `response` to `item`. A sandbox failure (not a wrong answer) is
+/// tried again after a pause and, when it persists, is an error naming the
+/// item and row (`what`): one answer must not end a long evaluation without
+/// saying which.
+fn score(
+    pool: &VerifierPool,
+    item: &Item,
+    response: &str,
+    what: &dyn Fn() -> String,
+) -> anyhow::Result<bool> {
+    let mut attempt = 1;
+    loop {
+        match (item.score)(pool, response) {
+            Ok(passed) => return Ok(passed),
+            Err(err) if attempt < SCORE_TRIES => {
+                eprintln!(
+                    "warning: the sandbox failed while scoring {} ({err:#}); trying again",
+                    what()
+                );
+                std::thread::sleep(std::time::Duration::from_secs(attempt));
+                attempt += 1;
+            }
+            Err(err) => {
+                return Err(err.context(format!(
+                    "scoring {} failed in the sandbox {SCORE_TRIES} times",
+                    what()
+                )))
+            }
+        }
+    }
 }
 
 /// Every row answers every item `samples` times; rows of different members
@@ -518,22 +633,30 @@ fn evaluate(
                     },
                     stop: tokenizer.stop_ids.clone(),
                     sampling,
-                    rng: keyed_stream!(seed, "eval", bench.name.as_str(), m, i, s),
+                    rng: keyed_stream!(
+                        seed,
+                        "eval",
+                        bench.name.as_str(),
+                        m,
+                        bench.items[i].index,
+                        s
+                    ),
                     grammar,
                 }
             })
             .collect();
         let generations = generate(&engine.model, &set, requests)?;
         for (&(m, i, s), g) in chunk.iter().zip(generations) {
-            let text = tokenizer.decode(&g.tokens)?;
-            let text = text.trim_end_matches("<|im_end|>");
+            let text = tokenizer.decode_reply(&g.tokens)?;
+            let text = text.as_str();
             let item = &bench.items[i];
-            let passed = (item.score)(pool, text)?;
+            let what = || format!("{} {} ({}, sample {s})", bench.name, item.id, rows[m].0);
+            let passed = score(pool, item, text, &what)?;
             correct[m][i] += usize::from(passed);
             records.push(ItemRecord {
                 benchmark: bench.name.clone(),
                 task_id: item.id.clone(),
-                item: i,
+                item: item.index,
                 member: rows[m].0.clone(),
                 sample: s,
                 passed,

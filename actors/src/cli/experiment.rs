@@ -192,6 +192,7 @@ fn evaluate(out: &Path, loaded: &LoadedExperiment) -> anyhow::Result<Vec<ItemRec
             benchmarks: e.benchmarks.join(","),
             gsm8k: None,
             math: None,
+            tasks: None,
             limit: e.limit,
             samples: e.samples,
             k: e.k,

@@ -16,7 +16,9 @@ pub struct Args {
     /// Directory to write the PEFT adapter into (created if absent).
     #[arg(long)]
     pub peft: PathBuf,
-    /// `base_model_name_or_path` to record (default: the base the adapter names).
+    /// `base_model_name_or_path` to record (default: the Hugging Face repo id
+    /// of the adapter's base: `HuggingFaceTB/SmolLM2-135M-Instruct` for the
+    /// default model, `config.json`'s `_name_or_path` for an HF directory).
     #[arg(long)]
     pub base_name: Option<String>,
     /// Replace a PEFT adapter already in the output directory.
@@ -31,7 +33,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let (adapter, base) = Adapter::load(&args.adapter, &Device::Cpu)
         .with_context(|| format!("reading adapter {}", args.adapter.display()))?;
-    let base_name = args.base_name.unwrap_or(base.name);
+    let base_name = args.base_name.unwrap_or_else(|| base.hf_name().to_string());
     lora::export_peft(&adapter, &base_name, &args.peft)
         .with_context(|| format!("writing PEFT adapter {}", args.peft.display()))?;
     println!(

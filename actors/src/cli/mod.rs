@@ -1,5 +1,6 @@
 //! One module per subcommand. Errors become `anyhow` here and nowhere deeper.
 
+pub mod adapter;
 pub mod bench;
 pub mod broker;
 pub mod ctl;

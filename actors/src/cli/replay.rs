@@ -10,6 +10,7 @@ use crate::runtime::replay;
 
 #[derive(Parser)]
 pub struct Args {
+    /// The finished run directory.
     pub dir: PathBuf,
 }
 

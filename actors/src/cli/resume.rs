@@ -1,5 +1,6 @@
 //! `populora resume DIR`: continue a crashed, killed or stopped run from its
-//! last checkpoint; it ends with the same checksums as an uninterrupted run.
+//! newest checkpoint that loads (a newer, corrupt one is set aside and
+//! journaled); it ends with the same checksums as an uninterrupted run.
 
 use std::path::PathBuf;
 
@@ -9,6 +10,7 @@ use crate::runtime::replay;
 
 #[derive(Parser)]
 pub struct Args {
+    /// The run directory.
     pub dir: PathBuf,
 }
 

@@ -75,6 +75,13 @@ pub enum Event {
     Checkpoint {
         step: u64,
     },
+    /// On resume: the checkpoint of `step` did not load (`reason`), so it was
+    /// moved to `moved_to` and the run resumed from an older one.
+    CheckpointSkipped {
+        step: u64,
+        reason: String,
+        moved_to: String,
+    },
     End {
         step: u64,
         checksums: BTreeMap<String, String>,

@@ -7,7 +7,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use populora::keyed_stream;
 use populora::lora::{AdamW, Adapter};
 use populora::rating::{Rating, TrueSkillConfig};
 use populora::scenario::{check_operator, Scenario};
@@ -40,11 +39,11 @@ fn fresh_with(
     let mut league = League::new(&scenario, Rating::fresh(&TrueSkillConfig::default()));
     let mut learners = BTreeMap::new();
     for (&id, info) in &league.members {
-        let mut rng = keyed_stream!(scenario.seed, "init", info.name.as_str());
-        let adapter = Adapter::new(
+        let adapter = Adapter::for_member(
             engine.lora.clone(),
             &engine.model.config,
-            &mut rng,
+            scenario.seed,
+            &info.name,
             &candle_core::Device::Cpu,
         )?;
         learners.insert(
@@ -71,14 +70,13 @@ fn fresh_with(
     )
 }
 
-/// Continue `dir` from its newest checkpoint. Live commands the crashed run
-/// had applied after that checkpoint are applied again at their steps.
+/// Continue `dir` from its newest checkpoint that loads. A newer one that
+/// does not (a corrupt file, a missing member) is moved aside and journaled,
+/// and the steps since the older one run again. Live commands the crashed
+/// run had applied after that checkpoint are applied again at their steps.
 pub fn resume(root: &Path) -> anyhow::Result<Summary> {
     let dir = RunDir::new(root);
     let scenario = Scenario::from_file(dir.scenario(), check_operator)?;
-    let (step, checkpoint) = dir
-        .latest_checkpoint()?
-        .with_context(|| format!("{} has no checkpoint to resume from", root.display()))?;
     let events = journal::read(&dir.journal())?;
     if let Some(Event::End { step: end, .. }) =
         events.iter().rev().find(|e| matches!(e, Event::End { .. }))
@@ -91,6 +89,62 @@ pub fn resume(root: &Path) -> anyhow::Result<Summary> {
             );
         }
     }
+    let (
+        Checkpoint {
+            step,
+            league,
+            learners,
+        },
+        skipped,
+    ) = newest_loadable_checkpoint(&dir)?;
+    let scheduled = live_commands(&events, |s| s > step);
+    let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
+    let mut journal = Log::open(&dir.journal(), Some(league.journal_lines))?;
+    for event in set_aside(&dir, skipped)? {
+        journal.append(&event)?;
+    }
+    let metrics = Log::open(&dir.metrics(), Some(league.metrics_lines))?;
+    eprintln!("resuming {} from step {step}", root.display());
+    let last_step = scenario.steps;
+    launch(
+        scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics,
+    )
+}
+
+/// A checkpoint as resume needs it: the league and every live member.
+struct Checkpoint {
+    step: u64,
+    league: League,
+    learners: BTreeMap<MemberId, Learner>,
+}
+
+/// The newest checkpoint that loads, and every newer one that did not, with
+/// why (newest first). An error, listing each reason, when none loads.
+fn newest_loadable_checkpoint(dir: &RunDir) -> anyhow::Result<(Checkpoint, Vec<(u64, String)>)> {
+    let mut skipped = Vec::new();
+    for (step, path) in dir.checkpoints_newest_first()? {
+        match load_checkpoint(step, &path) {
+            Ok(checkpoint) => return Ok((checkpoint, skipped)),
+            Err(err) => skipped.push((step, format!("{err:#}"))),
+        }
+    }
+    if skipped.is_empty() {
+        bail!("{} has no checkpoint to resume from", dir.root.display());
+    }
+    let reasons: Vec<String> = skipped
+        .iter()
+        .map(|(step, why)| format!("step {step}: {why}"))
+        .collect();
+    bail!(
+        "no checkpoint of {} loads, so the run cannot resume:\n  {}",
+        dir.root.display(),
+        reasons.join("\n  ")
+    )
+}
+
+/// Read `checkpoints/step-N`: its league (which must record step N) and
+/// every member's adapter and optimizer, each verified against its checksum.
+fn load_checkpoint(step: u64, checkpoint: &Path) -> anyhow::Result<Checkpoint> {
     let league_path = checkpoint.join("league.json");
     let league: League = serde_json::from_slice(
         &std::fs::read(&league_path)
@@ -111,15 +165,37 @@ pub fn resume(root: &Path) -> anyhow::Result<Summary> {
             .with_context(|| format!("loading {}", member_dir.display()))?;
         learners.insert(id, learner);
     }
-    let scheduled = live_commands(&events, |s| s > step);
-    let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
-    let journal = Log::open(&dir.journal(), Some(league.journal_lines))?;
-    let metrics = Log::open(&dir.metrics(), Some(league.metrics_lines))?;
-    eprintln!("resuming {} from step {step}", root.display());
-    let last_step = scenario.steps;
-    launch(
-        scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics,
-    )
+    Ok(Checkpoint {
+        step,
+        league,
+        learners,
+    })
+}
+
+/// Move each skipped checkpoint to `checkpoints/skipped-step-N` (the rerun
+/// writes `step-N` afresh) and say so; the journal events that record it.
+fn set_aside(dir: &RunDir, skipped: Vec<(u64, String)>) -> anyhow::Result<Vec<Event>> {
+    let mut events = Vec::with_capacity(skipped.len());
+    for (step, reason) in skipped {
+        let from = dir.checkpoint(step);
+        let to = dir.skipped_checkpoint(step);
+        if to.exists() {
+            std::fs::remove_dir_all(&to).with_context(|| format!("clearing {}", to.display()))?;
+        }
+        std::fs::rename(&from, &to)
+            .with_context(|| format!("moving {} to {}", from.display(), to.display()))?;
+        eprintln!(
+            "checkpoint of step {step} skipped ({reason}); moved to {}",
+            to.display()
+        );
+        let moved_to = to.strip_prefix(&dir.root).unwrap_or(&to);
+        events.push(Event::CheckpointSkipped {
+            step,
+            reason,
+            moved_to: moved_to.display().to_string(),
+        });
+    }
+    Ok(events)
 }
 
 /// Re-execute a finished run into `DIR/replay/` and compare every step's

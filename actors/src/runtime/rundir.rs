@@ -58,11 +58,16 @@ impl RunDir {
     /// The newest complete checkpoint (checkpoints are renamed into place
     /// only once fully written).
     pub fn latest_checkpoint(&self) -> anyhow::Result<Option<(u64, PathBuf)>> {
+        Ok(self.checkpoints_newest_first()?.into_iter().next())
+    }
+
+    /// Every complete checkpoint, newest first.
+    pub fn checkpoints_newest_first(&self) -> anyhow::Result<Vec<(u64, PathBuf)>> {
         let dir = self.checkpoints();
         if !dir.exists() {
-            return Ok(None);
+            return Ok(Vec::new());
         }
-        let mut best = None;
+        let mut found = Vec::new();
         for entry in
             std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))?
         {
@@ -72,12 +77,17 @@ impl RunDir {
                 .strip_prefix("step-")
                 .and_then(|s| s.parse::<u64>().ok())
             {
-                if best.as_ref().is_none_or(|(b, _)| step > *b) {
-                    best = Some((step, entry.path()));
-                }
+                found.push((step, entry.path()));
             }
         }
-        Ok(best)
+        found.sort_by_key(|&(step, _)| std::cmp::Reverse(step));
+        Ok(found)
+    }
+
+    /// Where a checkpoint that failed to load is set aside (out of
+    /// [`RunDir::checkpoints_newest_first`]'s sight, kept for inspection).
+    pub fn skipped_checkpoint(&self, step: u64) -> PathBuf {
+        self.checkpoints().join(format!("skipped-step-{step:06}"))
     }
 }
 
