@@ -441,25 +441,31 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("holds another experiment"));
 }
 
-/// A run that crashed just after its last checkpoint (step 4) whose newest
-/// checkpoint then lost a byte of an optimizer file: resume skips it (moved
-/// aside, journaled with the reason), resumes from step 2, runs steps 3 and 4
-/// again and ends exactly as the uninterrupted run.
-#[test]
-fn a_corrupt_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_previous_one() {
-    let dir = scratch("corrupt");
+/// A copy of the baseline run as if it had crashed just after its last
+/// checkpoint: its journal up to the step-4 checkpoint event, no end event.
+fn crashed_copy(name: &str) -> PathBuf {
+    let dir = scratch(name);
     let copied = Command::new("cp")
         .args(["-a", baseline().to_str().unwrap(), dir.to_str().unwrap()])
         .status()
         .unwrap();
     assert!(copied.success());
-    // The crash: everything up to the step-4 checkpoint event, no end event.
     let text = journal(&dir);
     let kept: Vec<&str> = text
         .lines()
         .filter(|l| !l.contains(r#""event":"end""#))
         .collect();
     std::fs::write(dir.join("journal.jsonl"), kept.join("\n") + "\n").unwrap();
+    dir
+}
+
+/// A run that crashed just after its last checkpoint (step 4) whose newest
+/// checkpoint then lost a byte of an optimizer file: resume skips it (moved
+/// aside, journaled with the reason), resumes from step 2, runs steps 3 and 4
+/// again and ends exactly as the uninterrupted run.
+#[test]
+fn a_corrupt_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_previous_one() {
+    let dir = crashed_copy("corrupt");
     let newest = dir.join("checkpoints/step-000004");
     let member = std::fs::read_dir(newest.join("members"))
         .unwrap()
@@ -510,18 +516,7 @@ fn a_corrupt_newest_checkpoint_is_skipped_and_the_run_resumes_from_the_previous_
 /// When no checkpoint loads, resume refuses and lists why for each.
 #[test]
 fn resume_without_a_loadable_checkpoint_names_every_reason() {
-    let dir = scratch("all-corrupt");
-    let copied = Command::new("cp")
-        .args(["-a", baseline().to_str().unwrap(), dir.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(copied.success());
-    let text = journal(&dir);
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|l| !l.contains(r#""event":"end""#))
-        .collect();
-    std::fs::write(dir.join("journal.jsonl"), kept.join("\n") + "\n").unwrap();
+    let dir = crashed_copy("all-corrupt");
     for step in ["step-000002", "step-000004"] {
         std::fs::write(dir.join("checkpoints").join(step).join("league.json"), "{").unwrap();
     }
