@@ -360,7 +360,7 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
     let file = dir.join("e.toml");
     std::fs::write(
         &file,
-        "population = \"population.toml\"\nbaseline = \"solo.toml\"\n[eval]\nlimit = 2\nmax_new_tokens = 24\nbootstrap = 200\n",
+        "population = \"population.toml\"\nbaseline = \"solo.toml\"\n[eval]\nlimit = 2\nmax_new_tokens = 24\nbatch = 4\nbootstrap = 200\n",
     )
     .unwrap();
     let out = dir.join("out");
@@ -422,6 +422,26 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
     std::fs::remove_file(out.join("eval/items.jsonl")).unwrap();
     run();
     assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
+    // One interrupted in HumanEval's third batch of four answers keeps the
+    // first two (marked here) and answers the rest as before.
+    std::fs::remove_file(out.join("eval/items.jsonl")).unwrap();
+    let humaneval: Vec<&str> = items
+        .lines()
+        .filter(|l| l.contains(r#""benchmark":"humaneval""#))
+        .collect();
+    let marked = humaneval[0].replacen(r#""response":""#, r#""response":"KEPT "#, 1);
+    let progress = [marked.as_str()]
+        .into_iter()
+        .chain(humaneval[1..10].iter().copied())
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n{\"benchmark\":\"hum";
+    std::fs::write(out.join("eval/progress-humaneval.jsonl"), progress).unwrap();
+    run();
+    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
+    let resumed = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
+    assert_eq!(resumed, items.replacen(humaneval[0], &marked, 1));
+    assert!(!out.join("eval/progress-humaneval.jsonl").exists());
     // Another experiment file is refused in the same directory.
     let other = dir.join("other.toml");
     std::fs::write(

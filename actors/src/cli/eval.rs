@@ -91,6 +91,11 @@ pub struct Options {
     pub batch: usize,
     /// Decode HumanEval-IO answers under the run's solver grammars (when it has them).
     pub constrained: bool,
+    /// Where each benchmark's answers are appended batch by batch
+    /// (`progress-<benchmark>.jsonl`), so that an interrupted evaluation
+    /// continues after its last whole batch, giving the answers it would
+    /// have given (the batches are the same). `None`: kept in memory only.
+    pub progress: Option<PathBuf>,
 }
 
 impl Args {
@@ -106,6 +111,7 @@ impl Args {
             max_new_tokens: self.max_new_tokens,
             batch: self.batch,
             constrained: !self.free_decoding,
+            progress: None,
         })
     }
 
@@ -576,6 +582,72 @@ fn score(
     }
 }
 
+/// The answers of an interrupted evaluation of `bench` in `path`, whole
+/// batches only (a batch cut short by the interruption is answered again).
+/// They must be the first answers of `jobs`, else the file belongs to
+/// another evaluation and is refused.
+fn answered(
+    path: &Path,
+    jobs: &[(usize, usize, usize)],
+    batch: usize,
+    bench: &Benchmark,
+    rows: &[Row],
+) -> anyhow::Result<Vec<ItemRecord>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let mut records: Vec<ItemRecord> = text
+        .lines()
+        .map_while(|line| serde_json::from_str(line).ok())
+        .collect();
+    if records.len() < jobs.len() {
+        records.truncate(records.len() / batch * batch);
+    }
+    if records.len() != text.lines().count() {
+        // Drop the cut-short batch, so that new answers follow whole ones.
+        std::fs::remove_file(path).with_context(|| format!("rewriting {}", path.display()))?;
+        append_records(path, &records)?;
+    }
+    for (&(m, i, s), r) in jobs.iter().zip(&records) {
+        let item = &bench.items[i];
+        if records.len() > jobs.len()
+            || r.member != rows[m].0
+            || r.item != item.index
+            || r.sample != s
+            || r.benchmark != bench.name
+        {
+            bail!(
+                "{} holds answers of another evaluation (expected {} item {} sample {s} of {}); delete it to start this benchmark over",
+                path.display(),
+                rows[m].0,
+                item.index,
+                bench.name
+            );
+        }
+    }
+    Ok(records)
+}
+
+/// Appends one batch's answers to `path` in one write.
+fn append_records(path: &Path, records: &[ItemRecord]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut lines = String::new();
+    for r in records {
+        lines.push_str(&serde_json::to_string(r)?);
+        lines.push('\n');
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    file.write_all(lines.as_bytes())
+        .and_then(|()| file.sync_data())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// Every row answers every item `samples` times; rows of different members
 /// share batches (the multi-adapter engine).
 fn evaluate(
@@ -617,9 +689,28 @@ fn evaluate(
         .flat_map(|m| (0..bench.items.len()).flat_map(move |i| (0..n).map(move |s| (m, i, s))))
         .collect();
     let constrained_budget = io_budget(args, engine);
+    let batch = args.batch.max(1);
+    let progress = args
+        .progress
+        .as_ref()
+        .map(|dir| dir.join(format!("progress-{}.jsonl", bench.name)));
+    let mut records = match &progress {
+        Some(path) => answered(path, &jobs, batch, bench, rows)?,
+        None => Vec::new(),
+    };
     let mut correct = vec![vec![0usize; bench.items.len()]; rows.len()];
-    let mut records = Vec::with_capacity(jobs.len());
-    for chunk in jobs.chunks(args.batch.max(1)) {
+    for (&(m, i, _), r) in jobs.iter().zip(&records) {
+        correct[m][i] += usize::from(r.passed);
+    }
+    if !records.is_empty() {
+        eprintln!(
+            "{}: {} answers kept from an interrupted evaluation",
+            bench.name,
+            records.len()
+        );
+    }
+    for chunk in jobs.chunks(batch).skip(records.len() / batch) {
+        let first_new = records.len();
         let requests = chunk
             .iter()
             .map(|&(m, i, s)| {
@@ -663,6 +754,9 @@ fn evaluate(
                 response: text.to_string(),
                 completion: item.export.as_ref().map(|export| export(text)),
             });
+        }
+        if let Some(path) = &progress {
+            append_records(path, &records[first_new..])?;
         }
     }
     let k = (n > 1).then_some(args.k.min(n));

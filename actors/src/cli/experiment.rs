@@ -9,7 +9,9 @@
 //!    what the population spent (`budget_tflop`); the two totals must agree
 //!    within 5 %;
 //! 3. `DIR/eval/`: every live population member, the baseline and the
-//!    untouched base model on the benchmarks, every answer recorded;
+//!    untouched base model on the benchmarks, every answer recorded (batch
+//!    by batch in `progress-<benchmark>.jsonl` while it runs, so an
+//!    interrupted evaluation continues after its last whole batch);
 //! 4. `DIR/experiment.json` (rows, paired-bootstrap intervals, compute) and
 //!    `DIR/report/index.html` (with each run's own report beside it).
 //!
@@ -199,6 +201,7 @@ fn evaluate(out: &Path, loaded: &LoadedExperiment) -> anyhow::Result<Vec<ItemRec
             max_new_tokens: e.max_new_tokens,
             batch: e.batch,
             constrained: true,
+            progress: Some(out.join("eval")),
         };
         let engine = Engine::load(&loaded.population, &mut |m| eprintln!("{m}"))?;
         let pool = VerifierPool::new(SandboxConfig::default())?;
@@ -206,9 +209,11 @@ fn evaluate(out: &Path, loaded: &LoadedExperiment) -> anyhow::Result<Vec<ItemRec
         rows.extend(eval::members(&out.join("baseline"), "baseline/")?);
         rows.push((BASE_ROW.to_string(), None));
         let seed = loaded.population.seed;
+        std::fs::create_dir_all(out.join("eval"))?;
         let evaluation = eval::evaluate_rows(&options, &engine, &pool, &rows, seed)?;
         // Writes items.jsonl last, whole: its presence means the stage is done.
         eval::write(out, &evaluation)?;
+        remove_progress(&out.join("eval"))?;
     }
     let text = std::fs::read_to_string(&items)?;
     text.lines()
@@ -218,6 +223,18 @@ fn evaluate(out: &Path, loaded: &LoadedExperiment) -> anyhow::Result<Vec<ItemRec
             serde_json::from_str(l).with_context(|| format!("{} line {}", items.display(), i + 1))
         })
         .collect()
+}
+
+/// The per-batch answer files of a finished evaluation (items.jsonl holds them all).
+fn remove_progress(dir: &Path) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().to_string());
+        if name.is_some_and(|n| n.starts_with("progress-") && n.ends_with(".jsonl")) {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    Ok(())
 }
 
 /// Each benchmark's rows and intervals.
