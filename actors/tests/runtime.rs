@@ -442,13 +442,14 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
     let resumed = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
     assert_eq!(resumed, items.replacen(humaneval[0], &marked, 1));
     assert!(!out.join("eval/progress-humaneval.jsonl").exists());
-    // Another experiment file is refused in the same directory.
+    // A file that differs in its comments only continues the experiment;
+    // one with other settings is refused in the same directory.
+    let text = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, format!("# commented\n{text}")).unwrap();
+    run();
+    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
     let other = dir.join("other.toml");
-    std::fs::write(
-        &other,
-        std::fs::read_to_string(&file).unwrap() + "# changed\n",
-    )
-    .unwrap();
+    std::fs::write(&other, text.replace("bootstrap = 200", "bootstrap = 300")).unwrap();
     let refused = populora(&[
         "experiment",
         other.to_str().unwrap(),

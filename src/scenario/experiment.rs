@@ -136,6 +136,16 @@ impl Experiment {
         })
     }
 
+    /// Whether two experiment files' texts say the same thing (comments and
+    /// layout aside): an experiment directory may be continued with either.
+    pub fn same_settings(a: &str, b: &str) -> bool {
+        a == b
+            || matches!(
+                (toml::from_str::<Experiment>(a), toml::from_str::<Experiment>(b)),
+                (Ok(x), Ok(y)) if x == y
+            )
+    }
+
     /// `[eval]`'s ranges; `Err((key, message))`.
     fn check_eval(&self) -> Result<(), (&'static str, String)> {
         let e = &self.eval;

@@ -88,12 +88,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// `DIR` holds this experiment: a copy of its file is kept there, and an
-/// experiment directory of another file is refused rather than mixed.
+/// experiment directory of another file (other settings, not just other
+/// comments) is refused rather than mixed.
 fn claim(out: &Path, file: &Path) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(file)?;
     let copy = out.join("experiment.toml");
     match std::fs::read_to_string(&copy) {
-        Ok(existing) if existing != text => bail!(
+        Ok(existing) if !Experiment::same_settings(&existing, &text) => bail!(
             "{} holds another experiment (its experiment.toml differs from {}); choose another --out",
             out.display(),
             file.display()
