@@ -165,6 +165,8 @@ const CASES: &[Case] = &[
      Some("model.tiny.heads"), 5, "does not divide"),
     ("tiny odd head size", "seed = 1\nsteps = 2\n[model]\nsource = \"tiny\"\n[model.tiny]\nhidden = 36\nheads = 4\nkv_heads = 4\n",
      Some("model.tiny.hidden"), 6, "odd head size 9"),
+    ("unknown device", "seed = 1\nsteps = 2\n[model]\ndevice = \"gpu\"\n",
+     Some("model.device"), 4, "model.device = \"gpu\" is not a device (write \"cpu\", \"cuda\" or \"cuda:N\")"),
     ("compute budget not positive", "seed = 1\nsteps = 2\nbudget_tflop = -1.5\n",
      Some("budget_tflop"), 3, "budget_tflop = -1.5 is out of range (allowed > 0)"),
     ("tiny too short for the token budget",

@@ -93,6 +93,28 @@ fn info_prints_the_config_and_bad_models_are_clear_errors() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// A bench on a GPU in a build without CUDA, or on a device that is no
+/// device, stops at once with an error that says so (no model is loaded).
+#[test]
+fn bench_devices_are_checked_before_anything_loads() {
+    for (device, says) in [
+        ("cuda", "this build has no CUDA support"),
+        ("gpu0", "\"gpu0\" is not a device"),
+    ] {
+        if cfg!(feature = "cuda") && device == "cuda" {
+            continue;
+        }
+        for bench in ["generate", "broker"] {
+            let (ok, _, err) =
+                populora_raw(&["bench", bench, "--random-weights", "--device", device]);
+            assert!(
+                !ok && err.contains(says) && err.starts_with("error:"),
+                "{bench} {device}: {err}"
+            );
+        }
+    }
+}
+
 /// Run `populora` with `args` as given (no --model appended).
 fn populora_raw(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_populora"))

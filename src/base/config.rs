@@ -18,6 +18,8 @@ pub enum Arch {
 pub enum Source {
     Gguf,
     HuggingFace,
+    /// Random weights built in memory (speed measurements of a shape).
+    Random,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

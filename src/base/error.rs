@@ -31,6 +31,8 @@ pub enum Error {
     TooLong { tokens: usize, context: usize },
     #[error("fetching the model failed: {reason}\nto fix: {fix}")]
     Fetch { reason: String, fix: String },
+    #[error("device {0}")]
+    Device(String),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

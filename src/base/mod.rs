@@ -4,6 +4,7 @@
 
 mod config;
 mod decode_attention;
+pub mod device;
 mod error;
 pub mod fetch;
 pub mod few_rows;
@@ -54,6 +55,14 @@ impl BaseModel {
 
     pub fn config(&self) -> &ModelConfig {
         &self.model.config
+    }
+
+    /// The same base with its weights on `device`.
+    pub fn to_device(self, device: &candle_core::Device) -> Result<BaseModel> {
+        Ok(BaseModel {
+            model: self.model.to_device(device)?,
+            ..self
+        })
     }
 }
 

@@ -296,11 +296,20 @@ impl Llama {
 
     /// The same model with every weight in `dtype` (f64 for gradient checks).
     pub fn to_dtype(&self, dtype: DType) -> Result<Llama> {
-        let cast = |t: &Tensor| t.to_dtype(dtype);
+        self.map_weights(|t| t.to_dtype(dtype))
+    }
+
+    /// The same model with every weight on `device` (a GPU for the CUDA broker).
+    pub fn to_device(&self, device: &Device) -> Result<Llama> {
+        self.map_weights(|t| t.to_device(device))
+    }
+
+    /// Every weight through `f`; a tied head stays tied (one copy).
+    fn map_weights(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Llama> {
         let linear = |l: &Linear| -> candle_core::Result<Linear> {
             Ok(Linear {
-                weight: cast(&l.weight)?,
-                bias: l.bias.as_ref().map(cast).transpose()?,
+                weight: f(&l.weight)?,
+                bias: l.bias.as_ref().map(&f).transpose()?,
             })
         };
         let blocks = self
@@ -308,26 +317,32 @@ impl Llama {
             .iter()
             .map(|b| {
                 Ok(Block {
-                    attn_norm: cast(&b.attn_norm)?,
+                    attn_norm: f(&b.attn_norm)?,
                     q: linear(&b.q)?,
                     k: linear(&b.k)?,
                     v: linear(&b.v)?,
                     o: linear(&b.o)?,
-                    mlp_norm: cast(&b.mlp_norm)?,
+                    mlp_norm: f(&b.mlp_norm)?,
                     gate: linear(&b.gate)?,
                     up: linear(&b.up)?,
                     down: linear(&b.down)?,
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let embed = f(&self.embed)?;
+        let lm_head = if self.lm_head.id() == self.embed.id() {
+            embed.clone()
+        } else {
+            f(&self.lm_head)?
+        };
         Ok(Llama {
             config: self.config.clone(),
-            embed: cast(&self.embed)?,
+            embed,
             blocks,
-            final_norm: cast(&self.final_norm)?,
-            lm_head: cast(&self.lm_head)?,
-            rope_cos: cast(&self.rope_cos)?,
-            rope_sin: cast(&self.rope_sin)?,
+            final_norm: f(&self.final_norm)?,
+            lm_head,
+            rope_cos: f(&self.rope_cos)?,
+            rope_sin: f(&self.rope_sin)?,
         })
     }
 

@@ -41,6 +41,27 @@ impl Default for TinySpec {
     }
 }
 
+impl TinySpec {
+    /// The default model's shape (SmolLM2-135M-Instruct's `config.json`:
+    /// 30 blocks of width 576, 9 query and 3 key/value heads, MLP 1536,
+    /// 49152 tokens, tied embeddings): random weights of the real size, for
+    /// speed measurements where the model cannot be fetched.
+    pub fn default_model_shape() -> TinySpec {
+        TinySpec {
+            arch: Arch::Llama,
+            vocab: 49152,
+            hidden: 576,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            ffn: 1536,
+            max_positions: 8192,
+            tied: true,
+            seed: 0,
+        }
+    }
+}
+
 /// The vocabulary of a tiny model: the 256 byte tokens, `<|endoftext|>`,
 /// `<|im_start|>`, `<|im_end|>`, then filler tokens.
 #[derive(Debug, Clone)]

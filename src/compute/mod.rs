@@ -7,7 +7,10 @@
 //! results never depend on request order.
 
 mod cost;
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests;
 mod generate;
+pub mod lora_op;
 mod row_adapters;
 mod tape;
 mod train;
@@ -36,6 +39,8 @@ pub enum Error {
     AdapterMismatch { adapter: AdapterId, reason: String },
     #[error("row {row}: {reason}")]
     BadRow { row: usize, reason: String },
+    #[error("{0}")]
+    Unsupported(&'static str),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -19,11 +19,17 @@
 //! step without gradient (one token per row) skips both for one fused pass
 //! ([`kernels::row_lora`]). The train step does not use this hook: it has its
 //! own per-segment LoRA with a hand-written backward (`tape::SegmentLora`).
+//!
+//! On a GPU every pass goes through [`lora_delta`]: our SGMV kernels shrink
+//! and expand each row against its own adapter's block only, in one launch
+//! each, so the masked GEMMs' n-fold work is never done there.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 
+use super::lora_op::{lora_delta, TokenSlots, NO_SLOT};
 use crate::base::{gemm, kernels, LoraHook, ModelConfig};
 use crate::lora::{Adapter, ModuleKey, Target};
 
@@ -112,6 +118,12 @@ pub struct RowAdapters {
     mask: Option<Tensor>,
     segments: Vec<Segment>,
     rank: usize,
+    /// Each row's block in the concatenation, [`NO_SLOT`] for none.
+    row_slots: Vec<u32>,
+    /// Adapters in the concatenation.
+    blocks: usize,
+    /// The GPU path's per-token slots of the last token count seen.
+    token_slots: Mutex<Option<TokenSlots>>,
 }
 
 impl RowAdapters {
@@ -148,12 +160,81 @@ impl RowAdapters {
             _ => None,
         };
         let segments = segments(rows, &used);
+        let row_slots = segments
+            .iter()
+            .flat_map(|seg| std::iter::repeat_n(seg.slot.map_or(NO_SLOT, |s| s as u32), seg.rows))
+            .collect();
         Ok(RowAdapters {
             modules,
             mask,
             segments,
             rank,
+            row_slots,
+            blocks: used.len(),
+            token_slots: Mutex::new(None),
         })
+    }
+
+    /// The same factors on `device` (the model's), for a batch whose
+    /// activations live there.
+    pub fn to_device(&self, device: &Device) -> super::Result<Self> {
+        let modules = self
+            .modules
+            .iter()
+            .map(|(&key, m)| {
+                let factors = ModuleFactors {
+                    a: m.a.to_device(device)?,
+                    b_t: m.b_t.to_device(device)?,
+                };
+                Ok((key, factors))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(RowAdapters {
+            modules,
+            mask: self
+                .mask
+                .as_ref()
+                .map(|m| m.to_device(device))
+                .transpose()?,
+            segments: self.segments.clone(),
+            rank: self.rank,
+            row_slots: self.row_slots.clone(),
+            blocks: self.blocks,
+            token_slots: Mutex::new(None),
+        })
+    }
+
+    /// Every token's block for rows of `tokens` tokens, kept on `device`
+    /// across the calls of one pass (one upload per pass shape, not per module).
+    fn token_slots(&self, tokens: usize, device: &Device) -> candle_core::Result<TokenSlots> {
+        let mut cached = self.token_slots.lock().expect("token slot cache poisoned");
+        if let Some(slots) = cached.as_ref() {
+            if slots.len() == self.row_slots.len() * tokens {
+                return Ok(slots.clone());
+            }
+        }
+        let slots = self
+            .row_slots
+            .iter()
+            .flat_map(|&k| std::iter::repeat_n(k, tokens))
+            .collect();
+        let slots = TokenSlots::new(slots, self.blocks, device)?;
+        *cached = Some(slots.clone());
+        Ok(slots)
+    }
+
+    /// `y + Δ` through the SGMV kernels (any token count, gradients tracked).
+    fn sgmv_add(&self, f: &ModuleFactors, x: &Tensor, y: Tensor) -> candle_core::Result<Tensor> {
+        let (rows, tokens, in_dim) = x.dims3()?;
+        let slots = self.token_slots(tokens, x.device())?;
+        let delta = lora_delta(
+            &x.reshape((rows * tokens, in_dim))?,
+            &f.a,
+            &f.b_t,
+            &slots,
+            self.rank,
+        )?;
+        y + delta.reshape((rows, tokens, ()))?
     }
 
     /// The same factors cut loose from the adapters' `Var`s, for passes that
@@ -177,6 +258,9 @@ impl RowAdapters {
             mask: self.mask.clone(),
             segments: self.segments.clone(),
             rank: self.rank,
+            row_slots: self.row_slots.clone(),
+            blocks: self.blocks,
+            token_slots: Mutex::new(None),
         }
     }
 
@@ -316,6 +400,9 @@ impl LoraHook for RowAdapters {
         let Some(f) = self.modules.get(&ModuleKey { layer, target }) else {
             return Ok(y);
         };
+        if x.device().is_cuda() {
+            return Ok(self.sgmv_add(f, x, y)?);
+        }
         let (rows, tokens, _) = x.dims3()?;
         let untracked = [x, &y, &f.a, &f.b_t].iter().all(|t| !t.track_op());
         let f32_cpu = [x, &y]

@@ -176,7 +176,9 @@ impl Layout {
 /// One micro-batch through the model, recording no gradient.
 fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
     let layout = Layout::new(model.device(), rows)?;
-    let hook = RowAdapters::new(adapters, &layout.adapters)?.detached();
+    let hook = RowAdapters::new(adapters, &layout.adapters)?
+        .detached()
+        .to_device(model.device())?;
     let hidden = model.hidden_states(&model.embed(&layout.tokens)?, &layout.at, None, &hook)?;
     layout.logprobs(model, &hidden)
 }
@@ -284,6 +286,11 @@ pub fn train_step(
     rows: &[TrainRow],
     config: TrainConfig,
 ) -> Result<TrainOutput> {
+    if !model.device().is_cpu() {
+        return Err(Error::Unsupported(
+            "the train step's backward (compute::tape) runs on the CPU only: train with a CPU copy of the model",
+        ));
+    }
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
         check_train_row(i, r, model.config.vocab_size)?;

@@ -90,6 +90,10 @@ pub struct ModelConfig {
     /// resolves to `Some` (defaults filled in). Default: None.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tiny: Option<TinyModelConfig>,
+    /// Where generation and scoring run: `"cpu"`, `"cuda"` or `"cuda:N"` (a build
+    /// with the `cuda` feature). The train step runs on the CPU whatever this
+    /// says (its backward has no GPU path yet). Default: `"cpu"`.
+    pub device: String,
 }
 
 impl Default for ModelConfig {
@@ -97,6 +101,7 @@ impl Default for ModelConfig {
         ModelConfig {
             source: ModelSource::Default,
             tiny: None,
+            device: "cpu".into(),
         }
     }
 }

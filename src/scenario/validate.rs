@@ -292,6 +292,9 @@ pub(super) fn validate(
 }
 
 fn model(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
+    if let Err(why) = crate::base::device::parse(&s.model.device) {
+        return Err(v.fail("model.device", format!("model.device = {why}")));
+    }
     let Some(tiny) = &s.model.tiny else {
         return Ok(());
     };

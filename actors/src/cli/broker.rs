@@ -1,7 +1,6 @@
 //! `populora bench broker`: the multi-adapter engine's decode and train speed
 //! on the real model, measured side by side in one run.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
@@ -12,7 +11,7 @@ use populora::keyed_stream;
 use populora::lora::{Adapter, LoraConfig};
 use rand::Rng;
 
-use super::generate::load_model;
+use super::generate::{load_bench_model, BenchModel};
 
 #[derive(Parser)]
 pub struct BenchArgs {
@@ -28,8 +27,8 @@ pub struct BenchArgs {
     /// step (the best of each is reported).
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: BenchModel,
 }
 
 const ADAPTERS: usize = 8;
@@ -89,11 +88,18 @@ fn decode(
     ))
 }
 
-/// f32 GEMM rate of this machine through candle, GFLOP/s (best of 5).
-pub fn matmul_gflops() -> anyhow::Result<f64> {
-    let (m, k, n) = (2048, 576, 1536);
-    let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-    let b = Tensor::randn(0f32, 1.0, (k, n), &Device::Cpu)?;
+/// f32 GEMM rate of `device` through candle, GFLOP/s (best of 5): a
+/// train-step-sized product on the CPU, a 4096³ one on a GPU (smaller ones
+/// there measure launch latency, not the GEMM).
+pub fn matmul_gflops(device: &Device) -> anyhow::Result<f64> {
+    let (m, k, n) = if device.is_cpu() {
+        (2048, 576, 1536)
+    } else {
+        (4096, 4096, 4096)
+    };
+    let a = Tensor::randn(0f32, 1.0, (m, k), device)?;
+    let b = Tensor::randn(0f32, 1.0, (k, n), device)?;
+    a.matmul(&b)?.sum_all()?.to_scalar::<f32>()?;
     let mut best = f64::MAX;
     for _ in 0..5 {
         let start = Instant::now();
@@ -110,10 +116,11 @@ fn train_flops(base: &BaseModel, rows: usize, len: usize, scored: usize) -> f64 
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let base = load_model(args.model.as_deref())?;
+    let base = load_bench_model(&args.model)?;
+    let device = base.model.device().clone();
     // The GEMM reference is taken before and after the runs and the better one
     // kept: a single sample swings by ±15 % on a shared machine.
-    let matmul_before = matmul_gflops()?;
+    let matmul_before = matmul_gflops(&device)?;
     let adapters = adapters(&base)?;
     let mut set = AdapterSet::new();
     for (i, a) in adapters.iter().enumerate() {
@@ -147,6 +154,46 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         sequential = sequential.max(n_seq as f64 / t_seq);
     }
 
+    let train = if device.is_cpu() {
+        Some(train_speed(&base, &set, &args)?)
+    } else {
+        // The train step's hand-written backward (compute::tape) runs on the
+        // CPU only: nothing to measure on a GPU yet.
+        None
+    };
+    let matmul = matmul_gflops(&device)?.max(matmul_before);
+    let value = serde_json::json!({
+        "multi_tok_s": multi,
+        "single_tok_s": single,
+        "sequential_tok_s": sequential,
+        "multi_over_single": multi / single,
+        "multi_over_sequential": multi / sequential,
+        "train_tok_s": train.as_ref().map(|t| t.tok_s),
+        "train_gflops": train.as_ref().map(|t| t.gflops),
+        "matmul_gflops": matmul,
+        "train_over_matmul": train.as_ref().map(|t| t.gflops / matmul),
+        "train_micro_batches": train.as_ref().map(|t| t.micro_batches),
+        "train_token_budget": TrainConfig::default().token_budget,
+        "adapters": ADAPTERS,
+        "rows": ADAPTERS * ROWS_PER_ADAPTER,
+        "new_tokens_per_row": args.tokens,
+        "repeats": args.repeats,
+        "threads": candle_core::utils::get_num_threads(),
+        "device": args.model.device,
+        "random_weights": args.model.random_weights,
+    });
+    super::bench::report(args.json, &value);
+    Ok(())
+}
+
+struct TrainSpeed {
+    tok_s: f64,
+    gflops: f64,
+    micro_batches: usize,
+}
+
+/// Train-step tokens/s and GFLOP/s of 8 adapters × 4 rows of `train_len` tokens.
+fn train_speed(base: &BaseModel, set: &AdapterSet, args: &BenchArgs) -> anyhow::Result<TrainSpeed> {
     let len = args.train_len;
     let scored = len - len / 4;
     let mut rng = keyed_stream!(0, "bench-train");
@@ -169,32 +216,13 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut micro_batches = 0;
     for _ in 0..args.repeats.max(1) {
         let start = Instant::now();
-        let out = compute::train_step(&base.model, &set, &rows, TrainConfig::default())?;
+        let out = compute::train_step(&base.model, set, &rows, TrainConfig::default())?;
         train_s = train_s.min(start.elapsed().as_secs_f64());
         micro_batches = out.micro_batches;
     }
-    let train_tok_s = (rows.len() * len) as f64 / train_s;
-    let train_gflops = train_flops(&base, rows.len(), len, scored) / train_s / 1e9;
-    let matmul = matmul_gflops()?.max(matmul_before);
-
-    let value = serde_json::json!({
-        "multi_tok_s": multi,
-        "single_tok_s": single,
-        "sequential_tok_s": sequential,
-        "multi_over_single": multi / single,
-        "multi_over_sequential": multi / sequential,
-        "train_tok_s": train_tok_s,
-        "train_gflops": train_gflops,
-        "matmul_gflops": matmul,
-        "train_over_matmul": train_gflops / matmul,
-        "train_micro_batches": micro_batches,
-        "train_token_budget": TrainConfig::default().token_budget,
-        "adapters": ADAPTERS,
-        "rows": ADAPTERS * ROWS_PER_ADAPTER,
-        "new_tokens_per_row": args.tokens,
-        "repeats": args.repeats,
-        "threads": candle_core::utils::get_num_threads(),
-    });
-    super::bench::report(args.json, &value);
-    Ok(())
+    Ok(TrainSpeed {
+        tok_s: (rows.len() * len) as f64 / train_s,
+        gflops: train_flops(base, rows.len(), len, scored) / train_s / 1e9,
+        micro_batches,
+    })
 }

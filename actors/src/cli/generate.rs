@@ -238,8 +238,39 @@ pub struct BenchArgs {
     /// Token budget of each reply in the constrained batch-32 run.
     #[arg(long, default_value_t = 192)]
     pub grammar_tokens: usize,
+    #[command(flatten)]
+    pub model: BenchModel,
+}
+
+/// Which model a benchmark runs, and where.
+#[derive(clap::Args)]
+pub struct BenchModel {
+    /// A GGUF file or HF model directory (default: the default model, fetched on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// `cpu`, `cuda` or `cuda:N` (`cuda` needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Random weights in the default model's shape, built in memory: for speed
+    /// only, on a machine that cannot fetch the model (replies are not text).
+    #[arg(long, conflicts_with = "model")]
+    pub random_weights: bool,
+}
+
+pub fn load_bench_model(m: &BenchModel) -> anyhow::Result<BaseModel> {
+    let device = base::device::open(&m.device)?;
+    let base = if m.random_weights {
+        let (model, vocab) = base::tiny::build(&base::tiny::TinySpec::default_model_shape())?;
+        BaseModel {
+            model,
+            tokenizer: vocab.tokenizer()?,
+            source: base::Source::Random,
+            path: PathBuf::from("random-weights"),
+        }
+    } else {
+        load_model(m.model.as_deref())?
+    };
+    Ok(base.to_device(&device)?)
 }
 
 /// 32 different short prompts (one per row of the batch-32 run).
@@ -339,14 +370,14 @@ fn peer_tok_s(path: &Path, prompt: &[u32], tokens: usize) -> anyhow::Result<f64>
 }
 
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let base = load_model(args.model.as_deref())?;
+    let base = load_bench_model(&args.model)?;
     let prompts = bench_prompts(&base)?;
     // Warm up allocations and caches once.
     decode_tok_s(&base, &prompts[..1], 4)?;
     let batch1 = decode_tok_s(&base, &prompts[..1], args.tokens)?;
     let batch32 = decode_tok_s(&base, &prompts, args.tokens)?;
     let constrained = constrained_batch32(&base, &prompts, args.grammar_tokens)?;
-    let peer = if base.source == base::Source::Gguf {
+    let peer = if base.source == base::Source::Gguf && base.model.device().is_cpu() {
         Some(peer_tok_s(&base.path, &prompts[0], args.tokens)?)
     } else {
         None
@@ -360,6 +391,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "batch1_over_peer": peer.map(|p| batch1 / p),
         "new_tokens_per_row": args.tokens,
         "threads": candle_core::utils::get_num_threads(),
+        "device": args.model.device,
+        "random_weights": args.model.random_weights,
     });
     super::bench::report(args.json, &value);
     Ok(())

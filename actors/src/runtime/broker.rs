@@ -72,7 +72,10 @@ enum Pending {
 pub struct Broker;
 
 pub struct BrokerState {
+    /// The train step's base (on the CPU).
     model: Arc<Llama>,
+    /// Generation's base (the scenario's `model.device`; `model` on the CPU).
+    decode_model: Arc<Llama>,
     train: TrainConfig,
     phase: Option<Phase>,
     expected: Vec<MemberId>,
@@ -83,15 +86,16 @@ pub struct BrokerState {
 impl Actor for Broker {
     type Msg = BrokerMsg;
     type State = BrokerState;
-    type Arguments = (Arc<Llama>, TrainConfig);
+    type Arguments = (Arc<Llama>, Arc<Llama>, TrainConfig);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<BrokerMsg>,
-        (model, train): Self::Arguments,
+        (model, decode_model, train): Self::Arguments,
     ) -> Result<BrokerState, ActorProcessingErr> {
         Ok(BrokerState {
             model,
+            decode_model,
             train,
             phase: None,
             expected: Vec::new(),
@@ -203,6 +207,7 @@ async fn run(state: &mut BrokerState) {
     state.expected.clear();
     let pending = std::mem::take(&mut state.pending);
     let model = state.model.clone();
+    let decode_model = state.decode_model.clone();
     let train = state.train;
     let mut adapters = Vec::new();
     let mut generate_rows: Vec<(MemberId, usize, GenReply)> = Vec::new();
@@ -235,7 +240,7 @@ async fn run(state: &mut BrokerState) {
         let generated = if requests.is_empty() {
             Ok(Vec::new())
         } else {
-            generate(&model, &set, requests)
+            generate(&decode_model, &set, requests)
         };
         let trained = if rows.is_empty() {
             Ok(Default::default())

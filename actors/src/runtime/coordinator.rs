@@ -129,7 +129,11 @@ impl Actor for Coordinator {
         let (broker, _) = Actor::spawn_linked(
             None,
             Broker,
-            (engine.model.clone(), engine.settings.train),
+            (
+                engine.model.clone(),
+                engine.decode_model.clone(),
+                engine.settings.train,
+            ),
             cell.clone(),
         )
         .await?;

@@ -16,7 +16,11 @@ use populora::verify::{Limits, SandboxConfig};
 
 /// The frozen base and every setting derived from the scenario.
 pub struct Engine {
+    /// The base on the CPU: the train step's (and the cost count's).
     pub model: Arc<Llama>,
+    /// The base where generation and scoring run (`model.device`): the same
+    /// `Arc` as `model` on the CPU, a GPU copy otherwise.
+    pub decode_model: Arc<Llama>,
     pub tokenizer: Arc<Tokenizer>,
     pub base: BaseRef,
     pub settings: Arc<Settings>,
@@ -30,12 +34,20 @@ pub struct Engine {
 impl Engine {
     pub fn load(scenario: &Scenario, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Engine> {
         let (model, tokenizer) = base_model(scenario, progress)?;
+        let device = populora::base::device::open(&scenario.model.device)?;
+        let model = Arc::new(model);
+        let decode_model = if device.is_cpu() {
+            model.clone()
+        } else {
+            Arc::new(model.to_device(&device)?)
+        };
         let settings = settings(scenario);
         let grammars = Grammars::compile(&tokenizer, model.config.vocab_size, &settings)
             .context("compiling the reply grammars")?;
         Ok(Engine {
             base: BaseRef::of(&model.config),
-            model: Arc::new(model),
+            model,
+            decode_model,
             tokenizer: Arc::new(tokenizer),
             settings: Arc::new(settings),
             grammars: Arc::new(grammars),
