@@ -76,7 +76,11 @@ fn logits_of_pass(
     let at = Positions::left_padded(&pads, 0, width, &Device::Cpu).unwrap();
     let ids: Vec<_> = rows.iter().map(|r| r.0).collect();
     let hook = RowAdapters::new(set, &ids).unwrap();
-    let hook = if inference { hook.detached() } else { hook };
+    let hook = if inference {
+        hook.detached_on(&Device::Cpu).unwrap()
+    } else {
+        hook
+    };
     let out = model
         .forward(&tokens, &at, None, &hook, Logits::Last)
         .unwrap();

@@ -13,7 +13,7 @@ pub mod gguf;
 pub mod hf;
 pub(crate) mod kernels;
 mod model;
-mod ops;
+pub(crate) mod ops;
 pub mod row_lanes;
 pub mod tiny;
 mod tokenizer;

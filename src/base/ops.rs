@@ -191,13 +191,19 @@ impl CustomOp1 for TargetLogprobs {
     }
 }
 
-/// Softmax over the last axis that keeps only its output for the backward:
-/// `∂L/∂x = p ⊙ (g − Σⱼ gⱼ·pⱼ)`.
+/// Softmax over the last axis. On the CPU a tracked pass keeps only its
+/// output for the backward: `∂L/∂x = p ⊙ (g − Σⱼ gⱼ·pⱼ)`. candle's fused softmax records no backward, so it serves untracked passes
+/// only; a tracked one off the CPU takes plain ops (the max shift is a
+/// constant: softmax does not depend on it).
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
-    if x.track_op() && x.device().is_cpu() {
-        x.contiguous()?.apply_op1(Softmax)
-    } else {
-        candle_nn::ops::softmax_last_dim(x)
+    match (x.track_op(), x.device().is_cpu()) {
+        (true, true) => x.contiguous()?.apply_op1(Softmax),
+        (true, false) => {
+            let max = x.max_keepdim(D::Minus1)?.detach();
+            let e = x.broadcast_sub(&max)?.exp()?;
+            e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+        }
+        (false, _) => candle_nn::ops::softmax_last_dim(x),
     }
 }
 

@@ -175,35 +175,6 @@ impl RowAdapters {
         })
     }
 
-    /// The same factors on `device` (the model's), for a batch whose
-    /// activations live there.
-    pub fn to_device(&self, device: &Device) -> super::Result<Self> {
-        let modules = self
-            .modules
-            .iter()
-            .map(|(&key, m)| {
-                let factors = ModuleFactors {
-                    a: m.a.to_device(device)?,
-                    b_t: m.b_t.to_device(device)?,
-                };
-                Ok((key, factors))
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(RowAdapters {
-            modules,
-            mask: self
-                .mask
-                .as_ref()
-                .map(|m| m.to_device(device))
-                .transpose()?,
-            segments: self.segments.clone(),
-            rank: self.rank,
-            row_slots: self.row_slots.clone(),
-            blocks: self.blocks,
-            token_slots: Mutex::new(None),
-        })
-    }
-
     /// Every token's block for rows of `tokens` tokens, kept on `device`
     /// across the calls of one pass (one upload per pass shape, not per module).
     fn token_slots(&self, tokens: usize, device: &Device) -> candle_core::Result<TokenSlots> {
@@ -237,31 +208,33 @@ impl RowAdapters {
         y + delta.reshape((rows, tokens, ()))?
     }
 
-    /// The same factors cut loose from the adapters' `Var`s, for passes that
-    /// take no gradient. Without this every activation computed from a LoRA
-    /// factor records its inputs for backprop, and a KV cache built step by
-    /// step keeps the whole generation's graph alive (tens of GB).
-    pub fn detached(&self) -> Self {
+    /// The same factors cut loose from the adapters' `Var`s and placed on
+    /// `device` (the model's), for passes that take no gradient. Without the
+    /// cut every activation computed from a LoRA factor records its inputs for
+    /// backprop, and a KV cache built step by step keeps the whole
+    /// generation's graph alive (tens of GB).
+    pub fn detached_on(&self, device: &Device) -> super::Result<Self> {
+        let place = |t: &Tensor| t.detach().to_device(device);
         let modules = self
             .modules
             .iter()
             .map(|(&key, m)| {
                 let factors = ModuleFactors {
-                    a: m.a.detach(),
-                    b_t: m.b_t.detach(),
+                    a: place(&m.a)?,
+                    b_t: place(&m.b_t)?,
                 };
-                (key, factors)
+                Ok((key, factors))
             })
-            .collect();
-        RowAdapters {
+            .collect::<candle_core::Result<_>>()?;
+        Ok(RowAdapters {
             modules,
-            mask: self.mask.clone(),
+            mask: self.mask.as_ref().map(place).transpose()?,
             segments: self.segments.clone(),
             rank: self.rank,
             row_slots: self.row_slots.clone(),
             blocks: self.blocks,
             token_slots: Mutex::new(None),
-        }
+        })
     }
 
     /// `Δ` for all rows at once: shrink against every adapter of the batch,

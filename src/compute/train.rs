@@ -176,9 +176,7 @@ impl Layout {
 /// One micro-batch through the model, recording no gradient.
 fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
     let layout = Layout::new(model.device(), rows)?;
-    let hook = RowAdapters::new(adapters, &layout.adapters)?
-        .detached()
-        .to_device(model.device())?;
+    let hook = RowAdapters::new(adapters, &layout.adapters)?.detached_on(model.device())?;
     let hidden = model.hidden_states(&model.embed(&layout.tokens)?, &layout.at, None, &hook)?;
     layout.logprobs(model, &hidden)
 }
