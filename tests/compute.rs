@@ -5,6 +5,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use populora::base::tiny::{self, TinySpec};
+use populora::base::Target;
 use populora::base::{Llama, Logits, NoLora, Positions};
 use populora::compute::{
     self, AdapterSet, GenRequest, Pick, RowAdapters, Sampling, ScoreRow, StopReason, TrainConfig,
@@ -12,7 +13,7 @@ use populora::compute::{
 };
 use populora::grammar::{TokenMask, Vocabulary};
 use populora::keyed_stream;
-use populora::lora::{Adapter, LoraConfig, LoraModule, Target};
+use populora::lora::{Adapter, LoraConfig, LoraModule};
 use rand::Rng;
 
 fn tiny_model() -> Llama {
@@ -390,7 +391,7 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
     // Rows by adapter: lengths [7, 4 | 5, 6] → micro-batches [7, 4, 5] and [6].
     let config = TrainConfig {
         clip: 0.2,
-        token_budget: 21,
+        micro_batch_tokens: 21,
     };
     let out = compute::train_step(&model, &set, &rows, config).unwrap();
     // The train step's own forward agrees with scoring: every ratio is
@@ -482,10 +483,10 @@ fn train_step_does_not_depend_on_head_chunks_or_micro_batches() {
             }
         })
         .collect();
-    let step = |token_budget| {
+    let step = |micro_batch_tokens| {
         let config = TrainConfig {
             clip: 0.2,
-            token_budget,
+            micro_batch_tokens,
         };
         compute::train_step(&model, &set, &rows, config).unwrap()
     };

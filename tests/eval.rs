@@ -15,18 +15,15 @@ fn pool() -> &'static VerifierPool {
     POOL.get_or_init(|| VerifierPool::new(SandboxConfig::default()).expect("sandbox starts"))
 }
 
-fn humaneval_path() -> Option<PathBuf> {
-    let path = populora::base::fetch::HUMAN_EVAL
+fn humaneval_path() -> PathBuf {
+    populora::base::fetch::HUMAN_EVAL
         .ensure(&mut |m| eprintln!("{m}"))
-        .unwrap_or_else(|e| panic!("HumanEval data is required for this test: {e}"));
-    Some(path)
+        .unwrap_or_else(|e| panic!("HumanEval data is required for this test: {e}"))
 }
 
-fn problems() -> Option<&'static [Problem]> {
-    static PROBLEMS: OnceLock<Option<Vec<Problem>>> = OnceLock::new();
-    PROBLEMS
-        .get_or_init(|| humaneval_path().map(|p| humaneval::load(&p).expect("HumanEval loads")))
-        .as_deref()
+fn problems() -> &'static [Problem] {
+    static PROBLEMS: OnceLock<Vec<Problem>> = OnceLock::new();
+    PROBLEMS.get_or_init(|| humaneval::load(&humaneval_path()).expect("HumanEval loads"))
 }
 
 fn scratch_file(name: &str, contents: &str) -> PathBuf {
@@ -51,7 +48,7 @@ fn toy_problem() -> Problem {
 
 #[test]
 fn humaneval_loads_164_problems() {
-    let Some(problems) = problems() else { return };
+    let problems = problems();
     assert_eq!(problems.len(), humaneval::PROBLEMS);
     assert_eq!(problems[0].task_id, "HumanEval/0");
     assert_eq!(problems[0].entry_point, "has_close_elements");
@@ -79,7 +76,7 @@ fn humaneval_corrupt_line_names_file_and_line() {
 
 #[test]
 fn humaneval_canonical_solutions_pass() {
-    let Some(problems) = problems() else { return };
+    let problems = problems();
     let samples: Vec<(&Problem, &str)> = problems
         .iter()
         .map(|p| (p, p.canonical_solution.as_str()))
@@ -104,7 +101,7 @@ fn humaneval_canonical_solutions_pass() {
 
 #[test]
 fn humaneval_whole_function_responses_pass() {
-    let Some(problems) = problems() else { return };
+    let problems = problems();
     // A chat answer: prose, the full function, then an example block.
     let samples: Vec<(&Problem, String)> = problems
         .iter()
@@ -314,7 +311,7 @@ fn io_program_is_f_without_docstring() {
 
 #[test]
 fn io_items_from_humaneval() {
-    let Some(problems) = problems() else { return };
+    let problems = problems();
     let start = Instant::now();
     let set = humaneval_io::build(pool(), problems, &IoConfig::default()).unwrap();
     let stats = &set.stats;

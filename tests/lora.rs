@@ -6,12 +6,12 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use populora::base::fetch;
 use populora::base::tiny::{self, TinySpec, TINY_CHAT_TEMPLATE};
-use populora::base::{self, gguf, Arch, ModelConfig};
+use populora::base::{self, gguf, Arch, ModelConfig, Target};
 use populora::keyed_stream;
 use populora::lora::{
     clip_grad_norm, export_peft, grad_norm, import_peft, names_model, peft_key, read_peft,
     shape_fingerprint, AdamW, AdamWConfig, Adapter, AdapterDir, AdapterFormat, AdapterGrads,
-    BaseRef, Error, LoraConfig, ModuleKey, Target, ADAPTER_TENSORS, PEFT_CONFIG, PEFT_TENSORS,
+    BaseRef, Error, LoraConfig, ModuleKey, ADAPTER_TENSORS, PEFT_CONFIG, PEFT_TENSORS,
 };
 use rand::Rng;
 

@@ -130,7 +130,8 @@ fn smollm2_tokenizer_and_chat_format() {
 /// decoding on, every reply parses.
 #[test]
 fn one_selfplay_step_on_smollm2() {
-    use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig, Target};
+    use populora::base::Target;
+    use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
     use populora::selfplay::{self, Grammars, Learner, Roster, Settings, StepContext};
     use populora::task::{PromptConfig, TaskBuffers, TaskKind};
     use populora::verify::{SandboxConfig, VerifierPool};
@@ -143,7 +144,7 @@ fn one_selfplay_step_on_smollm2() {
             references: 1,
             ..PromptConfig::default()
         },
-        proposals_per_kind: 2,
+        proposals_per_teacher: 2,
         solver_samples: 2,
         max_new_tokens: 128,
         ..Settings::default()

@@ -1,6 +1,6 @@
 //! Scenario schema: malformed files, defaults, the resolved copy, the shipped files.
 
-use populora::lora::Target;
+use populora::base::Target;
 use populora::scenario::experiment::Experiment;
 use populora::scenario::{
     parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource, Role, Scenario,

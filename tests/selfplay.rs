@@ -47,7 +47,7 @@ fn settings(kinds: &[TaskKind]) -> Settings {
             references: 2,
             ..PromptConfig::default()
         },
-        proposals_per_kind: 2,
+        proposals_per_teacher: 2,
         solver_samples: 3,
         max_new_tokens: 12,
         constrained: false,
@@ -271,7 +271,7 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
             temperature: 1.0,
             top_p: 0.9,
         },
-        proposals_per_kind: 1,
+        proposals_per_teacher: 1,
         solver_samples: 2,
         max_new_tokens: 160,
         constrained: true,

@@ -7,8 +7,9 @@ use std::process::Command;
 
 use populora::base::fetch;
 use populora::base::tiny::{self, TinySpec};
+use populora::base::Target;
 use populora::eval::humaneval;
-use populora::lora::{shape_fingerprint, Adapter, LoraConfig, Target};
+use populora::lora::{shape_fingerprint, Adapter, LoraConfig};
 use rand::{Rng, SeedableRng};
 
 fn tiny_gguf(name: &str) -> PathBuf {

@@ -250,7 +250,7 @@ fn a_member_that_panics_is_restarted_and_the_run_ends_the_same() {
         "--out",
         dir.to_str().unwrap(),
     ])
-    .env("POPULORA_FAULT", "student-0@2:solve")
+    .env("POPULORA_FAULT", "student-0@2:train")
     .output()
     .unwrap();
     ok(out);
@@ -554,4 +554,88 @@ fn resume_without_a_loadable_checkpoint_names_every_reason() {
         dir.join("checkpoints/step-000004").is_dir(),
         "nothing is moved when the run cannot resume"
     );
+}
+
+/// tiny.toml without evolution and scripted events: the members and the
+/// matching stay fixed, so the same steps can be run in-process.
+fn fixed_population_scenario(dir: &Path) -> (PathBuf, String) {
+    let text = std::fs::read_to_string(scenario("tiny.toml")).unwrap();
+    let text = text.split("[[events]]").next().unwrap();
+    assert!(text.contains("enabled = true"));
+    let text = text.replace("enabled = true", "enabled = false");
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("fixed.toml");
+    std::fs::write(&file, &text).unwrap();
+    (file, text)
+}
+
+#[test]
+fn the_runtime_and_the_in_process_step_give_the_same_checksums() {
+    use populora::base::tiny;
+    use populora::lora::{AdamW, Adapter};
+    use populora::scenario::{check_operator, Scenario};
+    use populora::selfplay::{
+        run_step, Grammars, Learner, MemberId, Roster, Settings, StepContext,
+    };
+    use populora::task::TaskBuffers;
+    use populora::verify::VerifierPool;
+    use std::collections::BTreeMap;
+
+    let dir = scratch("two-ways");
+    let (file, text) = fixed_population_scenario(&dir);
+    let out = dir.join("run");
+    run_to(&out, &file);
+    let from_runtime: Vec<serde_json::Value> = journal(&out)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["event"] == "step")
+        .map(|e| e["checksums"].clone())
+        .collect();
+
+    let s = Scenario::parse(&text, "fixed.toml", check_operator).unwrap();
+    let (model, vocab) = tiny::build(&s.model.tiny.clone().unwrap().spec()).unwrap();
+    let tokenizer = vocab.tokenizer().unwrap();
+    let settings = Settings::from_scenario(&s);
+    let grammars = Grammars::compile(&tokenizer, model.config.vocab_size, &settings).unwrap();
+    let pool = VerifierPool::new(s.sandbox_config()).unwrap();
+    let names = s.member_ids();
+    assert_eq!(names, ["teacher-0", "teacher-1", "student-0", "student-1"]);
+    let mut learners: BTreeMap<MemberId, Learner> = BTreeMap::new();
+    for (id, name) in names.iter().enumerate() {
+        let adapter = Adapter::for_member(
+            s.adapter_config(),
+            &model.config,
+            s.seed,
+            name,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let optimizer = AdamW::new(s.adamw_config());
+        learners.insert(id as MemberId, Learner { adapter, optimizer });
+    }
+    // One student per sub-population, one per teacher, from the other one.
+    let roster = Roster {
+        proposers: vec![0, 1],
+        matches: BTreeMap::from([(0, vec![3]), (1, vec![2])]),
+        solvers: vec![2, 3],
+    };
+    let mut buffers = TaskBuffers::seeded();
+    let mut in_process = Vec::new();
+    for step in 1..=s.steps {
+        let ctx = StepContext {
+            seed: s.seed,
+            step,
+            settings: &settings,
+            tokenizer: &tokenizer,
+            grammars: &grammars,
+        };
+        run_step(&ctx, &model, &pool, &mut learners, &roster, &mut buffers).unwrap();
+        let sums: BTreeMap<&str, String> = learners
+            .iter()
+            .map(|(&id, l)| (names[id as usize].as_str(), l.adapter.checksum().unwrap()))
+            .collect();
+        in_process.push(serde_json::to_value(sums).unwrap());
+    }
+    assert_eq!(from_runtime.len(), s.steps as usize);
+    assert_eq!(in_process, from_runtime);
 }

@@ -15,6 +15,7 @@ pub(crate) mod kernels;
 mod model;
 pub(crate) mod ops;
 pub mod row_lanes;
+pub mod target;
 pub mod tiny;
 mod tokenizer;
 
@@ -25,6 +26,7 @@ pub use error::{Error, Result};
 pub use model::{
     rms_norm, Block, BlockContext, KvCache, Linear, Llama, Logits, LoraHook, NoLora, Positions,
 };
+pub use target::Target;
 pub use tokenizer::{ChatTemplate, Message, Tokenizer, IM_END, IM_START};
 
 /// A loaded base: weights, tokenizer, and where they came from.

@@ -27,7 +27,7 @@ use super::error::Result;
 use super::gemm;
 use super::kernels::{self, Heads};
 use super::ops::{frozen_matmul, softmax, target_logprobs};
-use crate::lora::Target;
+use super::Target;
 
 /// Added to masked attention scores. Finite so that a fully masked (padding)
 /// query row yields a harmless uniform distribution instead of NaN.

@@ -22,7 +22,7 @@ pub use generate::{
 };
 pub use row_adapters::{AdapterId, AdapterSet, RowAdapters};
 pub use train::{
-    logprobs, train_step, ScoreRow, TrainConfig, TrainOutput, TrainRow, TrainStats, DEFAULT_CLIP,
+    logprobs, train_step, ScoreRow, TrainConfig, TrainOutput, TrainRow, TrainStats,
     DEFAULT_TOKEN_BUDGET,
 };
 

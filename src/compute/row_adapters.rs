@@ -30,8 +30,9 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor, D};
 
 use super::lora_op::{lora_delta, TokenSlots, NO_SLOT};
+use crate::base::Target;
 use crate::base::{gemm, kernels, LoraHook, ModelConfig};
-use crate::lora::{Adapter, ModuleKey, Target};
+use crate::lora::{Adapter, ModuleKey};
 
 /// Our own adapter id (a member id in the runtime). Ordered, so batches are too.
 pub type AdapterId = u64;

@@ -36,8 +36,9 @@ use super::row_adapters::{AdapterId, AdapterSet};
 use super::{Error, Result};
 use crate::base::gemm::{self, Threads};
 use crate::base::kernels::{self, Heads, Policy, Real};
+use crate::base::Target;
 use crate::base::{BlockContext, Linear, Llama, Positions};
-use crate::lora::{Adapter, AdapterGrads, ModuleKey, Target};
+use crate::lora::{Adapter, AdapterGrads, ModuleKey};
 
 /// Rows of a micro-batch that share one adapter, as token rows
 /// `start..start + len` of the flattened `[rows·n, hidden]` activations.

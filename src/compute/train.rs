@@ -32,9 +32,6 @@ use crate::rl::ppo::token_loss_and_grad;
 /// "Multi-adapter broker").
 pub const DEFAULT_TOKEN_BUDGET: usize = 2048;
 
-/// PPO's clip range ε (AZR: 0.2).
-pub const DEFAULT_CLIP: f64 = 0.2;
-
 /// A sequence to score: log π(tokens[t] | tokens[..t]) for every t ≥ `score_from` (≥ 1).
 #[derive(Debug, Clone)]
 pub struct ScoreRow {
@@ -64,14 +61,14 @@ pub struct TrainRow {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrainConfig {
     pub clip: f64,
-    pub token_budget: usize,
+    pub micro_batch_tokens: usize,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            clip: DEFAULT_CLIP,
-            token_budget: DEFAULT_TOKEN_BUDGET,
+            clip: crate::rl::ppo::AZR_PPO_CLIP,
+            micro_batch_tokens: DEFAULT_TOKEN_BUDGET,
         }
     }
 }
@@ -197,7 +194,7 @@ pub fn logprobs(
     model: &Llama,
     adapters: &AdapterSet,
     rows: &[ScoreRow],
-    token_budget: usize,
+    micro_batch_tokens: usize,
 ) -> Result<Vec<Vec<f32>>> {
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
@@ -211,7 +208,7 @@ pub fn logprobs(
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
     let lens: Vec<usize> = order.iter().map(|&i| rows[i].tokens.len()).collect();
     let mut out = vec![Vec::new(); rows.len()];
-    for range in micro_batches(&lens, token_budget) {
+    for range in micro_batches(&lens, micro_batch_tokens) {
         let batch: Vec<_> = order[range.clone()]
             .iter()
             .map(|&i| {
@@ -301,7 +298,7 @@ pub fn train_step(
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
     let lens: Vec<usize> = order.iter().map(|&i| rows[i].tokens.len()).collect();
     let mut out = TrainOutput::default();
-    for range in micro_batches(&lens, config.token_budget) {
+    for range in micro_batches(&lens, config.micro_batch_tokens) {
         let rows_here: Vec<&TrainRow> = order[range].iter().map(|&i| &rows[i]).collect();
         let batch: Vec<_> = rows_here
             .iter()

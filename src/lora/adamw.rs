@@ -309,7 +309,7 @@ fn parse_moment_key(name: &str) -> Option<ModuleKey> {
     };
     let key = ModuleKey {
         layer: layer.parse().ok()?,
-        target: super::Target::ALL
+        target: crate::base::Target::ALL
             .into_iter()
             .find(|t| t.hf_name() == target)?,
     };

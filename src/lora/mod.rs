@@ -17,7 +17,7 @@ pub use adamw::{
     clip_grad_norm, grad_norm, AdamW, AdamWConfig, AdapterGrads, Moments, StepReport,
     OPTIMIZER_META, OPTIMIZER_TENSORS,
 };
-pub use adapter::{Adapter, LoraConfig, LoraModule, ModuleKey, ModuleNorms, Target};
+pub use adapter::{Adapter, LoraConfig, LoraModule, ModuleKey, ModuleNorms};
 pub use error::{Error, Result};
 pub use formats::{AdapterDir, AdapterFormat};
 pub use peft::{

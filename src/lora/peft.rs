@@ -31,8 +31,9 @@ use super::files::{
 };
 use super::shape::{FACTOR_A, FACTOR_B};
 use super::store::module_from;
-use super::{Adapter, BaseRef, LoraConfig, ModuleKey, Target};
+use super::{Adapter, BaseRef, LoraConfig, ModuleKey};
 use crate::base::ModelConfig;
+use crate::base::Target;
 
 pub const PEFT_CONFIG: &str = "adapter_config.json";
 pub const PEFT_TENSORS: &str = "adapter_model.safetensors";

@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Var};
 
 use super::error::{Error, Result};
-use super::{Adapter, LoraConfig, ModuleKey, Target};
+use super::{Adapter, LoraConfig, ModuleKey};
 use crate::base::ModelConfig;
+use crate::base::Target;
 
 pub(crate) const FACTOR_A: &str = "lora_A";
 pub(crate) const FACTOR_B: &str = "lora_B";

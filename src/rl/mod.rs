@@ -11,7 +11,7 @@ pub mod ppo;
 pub mod reward;
 
 pub use advantage::{trr_plus_plus, AdvantageConfig, Rollout};
-pub use ppo::{ppo_clip_token_loss, ppo_clip_token_loss_grad, PpoConfig};
+pub use ppo::{ppo_clip_token_loss, ppo_clip_token_loss_grad};
 pub use reward::{proposer_reward, solver_reward, ProposerOutcome, RewardConfig, SolverOutcome};
 
 /// Errors of the rl module: inputs that would otherwise become NaN or a panic.

@@ -15,31 +15,12 @@
 //! optimizer applies it). Tokens with `m_t = 0` are skipped entirely, so
 //! padding may hold any value, even −∞; a token with `A_t = 0` contributes 0.
 
-use serde::{Deserialize, Serialize};
-
 use super::Error;
 
 /// PPO clip range ε (AZR).
 pub const AZR_PPO_CLIP: f64 = 0.2;
 /// Global gradient-norm clip (AZR).
 pub const AZR_GRAD_CLIP_NORM: f64 = 1.0;
-
-/// Policy-update settings (a scenario section). No KL term, as in AZR.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PpoConfig {
-    pub clip: f64,
-    pub grad_clip_norm: f64,
-}
-
-impl Default for PpoConfig {
-    fn default() -> Self {
-        PpoConfig {
-            clip: AZR_PPO_CLIP,
-            grad_clip_norm: AZR_GRAD_CLIP_NORM,
-        }
-    }
-}
 
 /// The token-mean PPO-clip loss (see the module doc).
 pub fn ppo_clip_token_loss(

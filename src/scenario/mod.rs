@@ -13,6 +13,7 @@
 
 #![warn(missing_docs)]
 
+mod engine_parts;
 mod error;
 pub mod experiment;
 mod source_map;
@@ -23,7 +24,7 @@ pub use error::{ErrorKind, ScenarioError};
 use serde::{Deserialize, Serialize, Serializer};
 use source_map::SourceMap;
 
-pub use crate::lora::Target;
+pub use crate::base::Target;
 pub use crate::task::TaskKind;
 use std::path::{Path, PathBuf};
 
@@ -379,9 +380,9 @@ impl Default for TrainingConfig {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
-            clip: 0.2,
-            grad_clip: 1.0,
-            micro_batch_tokens: 2048,
+            clip: crate::rl::ppo::AZR_PPO_CLIP,
+            grad_clip: crate::rl::ppo::AZR_GRAD_CLIP_NORM,
+            micro_batch_tokens: crate::compute::DEFAULT_TOKEN_BUDGET,
         }
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! A step runs in phases; each phase is a function from plain data to plain
 //! data, so the runtime can put the compute phases on its broker and the
-//! verifier phases on its pool while [`run_step`] runs them all in-process:
+//! verifier phases on its pool while [`run_step`] runs them all in-process.
+//! [`play_step`] is the one place they are put in order:
 //!
 //! ```text
 //! proposal_jobs ─▶ generate ─▶ judge_proposals ─▶ accept (buffers)
@@ -30,13 +31,14 @@ pub use propose::{
     accept, judge_proposals, proposal_jobs, AcceptedTask, ProposalJob, ProposalResult, Verdict,
 };
 pub use solve::{judge_solutions, problems, solve_jobs, Problem, SolveJob, SolveResult};
-pub use step::{run_step, Learner, StepReport};
+pub use step::{play_step, run_step, Learner, Local, StepBackend, StepReport, Trained};
 
 use std::collections::BTreeMap;
 
 use crate::base::{Message, Tokenizer};
 use crate::compute::{AdapterId, Sampling, TrainConfig};
 use crate::rl::{AdvantageConfig, RewardConfig};
+use crate::scenario::Scenario;
 use crate::task::{ChatPrompt, PromptConfig, TaskKind};
 
 /// Members are named by their adapter id in the engine.
@@ -50,7 +52,7 @@ pub struct Settings {
     /// References K, prompt token limit, induction inputs (AZR defaults).
     pub prompt: PromptConfig,
     /// Proposals per proposer per task kind per step (default 1).
-    pub proposals_per_kind: usize,
+    pub proposals_per_teacher: usize,
     /// Solver rollouts per problem and matched solver: AZR's n (default 8).
     pub solver_samples: usize,
     /// Longest response (default 512).
@@ -62,7 +64,7 @@ pub struct Settings {
     pub constrained: bool,
     /// Unconstrained decoding only: write the start of every reply for the
     /// model ([`crate::task::templates::response_prefix`]; default false, as AZR).
-    pub prefill: bool,
+    pub prefill_answer: bool,
     pub rewards: RewardConfig,
     pub advantage: AdvantageConfig,
     /// PPO clip (0.2) and micro-batch token budget (2048).
@@ -71,17 +73,55 @@ pub struct Settings {
     pub grad_clip: f64,
 }
 
+impl Settings {
+    /// A scenario's `[selfplay]`, `[rewards]` and `[training]`: the only way
+    /// scenario settings reach a step.
+    pub fn from_scenario(s: &Scenario) -> Settings {
+        let p = &s.selfplay;
+        Settings {
+            task_kinds: p.task_kinds.clone(),
+            prompt: PromptConfig {
+                references: p.references,
+                max_prompt_tokens: p.max_prompt_tokens,
+                induction_inputs: p.induction_inputs,
+                induction_shown: p.induction_shown,
+            },
+            proposals_per_teacher: p.proposals_per_teacher,
+            solver_samples: p.solver_samples,
+            max_new_tokens: p.max_new_tokens,
+            sampling: Sampling {
+                temperature: p.temperature as f32,
+                top_p: p.top_p as f32,
+            },
+            constrained: p.constrained,
+            prefill_answer: p.prefill_answer,
+            rewards: RewardConfig {
+                correct_reward: s.rewards.correct,
+                malformed_penalty: s.rewards.malformed,
+                wrong_penalty: s.rewards.wrong,
+                solver_rollouts: p.solver_samples,
+            },
+            advantage: AdvantageConfig::default(),
+            train: TrainConfig {
+                clip: s.training.clip,
+                micro_batch_tokens: s.training.micro_batch_tokens,
+            },
+            grad_clip: s.training.grad_clip,
+        }
+    }
+}
+
 impl Default for Settings {
     fn default() -> Self {
         Settings {
             task_kinds: TaskKind::ALL.to_vec(),
             prompt: PromptConfig::default(),
-            proposals_per_kind: 1,
+            proposals_per_teacher: 1,
             solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
             max_new_tokens: 512,
             sampling: Sampling::default(),
             constrained: true,
-            prefill: false,
+            prefill_answer: false,
             rewards: RewardConfig::default(),
             advantage: AdvantageConfig::default(),
             train: TrainConfig::default(),
@@ -154,9 +194,9 @@ impl StepContext<'_> {
         Ok(self.tokenizer.encode(&format!("{rendered}{prefix}"))?)
     }
 
-    /// What the model is given of its reply for (kind, role): see [`Settings::prefill`].
+    /// What the model is given of its reply for (kind, role): see [`Settings::prefill_answer`].
     pub fn prefix(&self, kind: TaskKind, role: crate::task::Role) -> &'static str {
-        if self.settings.prefill && !self.settings.constrained {
+        if self.settings.prefill_answer && !self.settings.constrained {
             crate::task::templates::response_prefix(kind, role)
         } else {
             ""

@@ -18,7 +18,7 @@ use crate::verify::{Features, Job, Outcome, Status, VerifierPool};
 pub struct ProposalJob {
     pub author: MemberId,
     pub kind: TaskKind,
-    /// Which of the author's proposals of this kind (0..proposals_per_kind).
+    /// Which of the author's proposals of this kind (0..proposals_per_teacher).
     pub index: usize,
     pub prompt: ProposerPrompt,
     /// The start of the reply given to the model (empty unless prefilling).
@@ -106,7 +106,7 @@ pub fn proposal_jobs(
     let mut jobs = Vec::new();
     for &author in &roster.proposers {
         for &kind in &s.task_kinds {
-            for index in 0..s.proposals_per_kind {
+            for index in 0..s.proposals_per_teacher {
                 let mut rng = keyed_stream!(
                     ctx.seed,
                     "propose-prompt",

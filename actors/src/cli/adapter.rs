@@ -8,7 +8,8 @@ use anyhow::{bail, Context};
 use candle_core::Device;
 use clap::{Parser, Subcommand};
 use populora::base;
-use populora::lora::{self, Adapter, AdapterDir, BaseRef, LoraConfig, Target};
+use populora::base::Target;
+use populora::lora::{self, Adapter, AdapterDir, BaseRef, LoraConfig};
 use serde_json::json;
 
 #[derive(Subcommand)]

@@ -173,7 +173,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "matmul_gflops": matmul,
         "train_over_matmul": train.as_ref().map(|t| t.gflops / matmul),
         "train_micro_batches": train.as_ref().map(|t| t.micro_batches),
-        "train_token_budget": TrainConfig::default().token_budget,
+        "train_token_budget": TrainConfig::default().micro_batch_tokens,
         "adapters": ADAPTERS,
         "rows": ADAPTERS * ROWS_PER_ADAPTER,
         "new_tokens_per_row": args.tokens,

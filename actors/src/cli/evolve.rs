@@ -6,10 +6,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::Device;
+use populora::base::Target;
 use populora::base::{Arch, ModelConfig};
 use populora::evolve::{self, OperatorKind, OperatorSpec};
 use populora::keyed_stream;
-use populora::lora::{Adapter, LoraConfig, LoraModule, ModuleKey, Target};
+use populora::lora::{Adapter, LoraConfig, LoraModule, ModuleKey};
 use rand::Rng;
 
 #[derive(clap::Args)]

@@ -1,8 +1,9 @@
-//! The `Broker`: the only owner of the base model. In each phase the
-//! coordinator announces which members take part; the broker waits for all
-//! of their requests, orders them by member id, runs one batched pass on a
-//! blocking thread (never on the async runtime) and answers each member with
-//! its share. Batch composition therefore never depends on arrival order.
+//! The `Broker`: the only owner of the base model. It holds a handle to every
+//! live member's adapter (given when the member starts, dropped when it
+//! leaves; updates are made in place by the member, so the handle stays
+//! current) and runs each phase's batch — every request or train row of the
+//! step, in the step's order — as one pass on a blocking thread, never on the
+//! async runtime.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -10,46 +11,27 @@ use std::time::Instant;
 
 use populora::base::Llama;
 use populora::compute::{
-    generate, train_step, AdapterSet, GenRequest, Generation, TrainConfig, TrainRow, TrainStats,
+    generate, train_step, AdapterSet, GenRequest, Generation, TrainConfig, TrainOutput, TrainRow,
 };
-use populora::lora::{Adapter, AdapterGrads};
+use populora::lora::Adapter;
 use populora::selfplay::MemberId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    Propose(u64),
-    Solve(u64),
-    Train(u64),
-}
-
-type GenReply = RpcReplyPort<anyhow::Result<Vec<Generation>>>;
-type TrainReply = RpcReplyPort<anyhow::Result<(AdapterGrads, TrainStats)>>;
-
 pub enum BrokerMsg {
-    /// The members whose requests make up `phase`'s batch.
-    Expect {
-        phase: Phase,
-        members: Vec<MemberId>,
-        reply: RpcReplyPort<()>,
-    },
+    /// A member's adapter joins the batch (replacing any earlier one of that id).
+    Join { member: MemberId, adapter: Adapter },
+    /// A member left the population.
+    Leave { member: MemberId },
     Generate {
-        phase: Phase,
-        member: MemberId,
-        adapter: Adapter,
         requests: Vec<GenRequest>,
-        reply: GenReply,
+        reply: RpcReplyPort<anyhow::Result<Vec<Generation>>>,
     },
+    /// Gradients for every adapter with rows, in one train step.
     Train {
-        phase: Phase,
-        member: MemberId,
-        adapter: Adapter,
         rows: Vec<TrainRow>,
-        reply: TrainReply,
+        reply: RpcReplyPort<anyhow::Result<TrainOutput>>,
     },
-    /// Drop a phase that will not complete (a member died); waiting members get an error.
-    Abort { reply: RpcReplyPort<()> },
     /// Compute totals since the start (or the last `Usage`).
     Usage { reply: RpcReplyPort<Usage> },
 }
@@ -64,9 +46,12 @@ pub struct Usage {
     pub train_ms: f64,
 }
 
-enum Pending {
-    Generate(Adapter, Vec<GenRequest>, GenReply),
-    Train(Adapter, Vec<TrainRow>, TrainReply),
+impl Usage {
+    fn count(&mut self, rows: usize) {
+        self.batches += 1;
+        self.rows += rows;
+        self.largest_batch = self.largest_batch.max(rows);
+    }
 }
 
 pub struct Broker;
@@ -77,9 +62,7 @@ pub struct BrokerState {
     /// Generation's base (the scenario's `model.device`; `model` on the CPU).
     decode_model: Arc<Llama>,
     train: TrainConfig,
-    phase: Option<Phase>,
-    expected: Vec<MemberId>,
-    pending: BTreeMap<MemberId, Pending>,
+    adapters: BTreeMap<MemberId, Adapter>,
     usage: Usage,
 }
 
@@ -97,9 +80,7 @@ impl Actor for Broker {
             model,
             decode_model,
             train,
-            phase: None,
-            expected: Vec::new(),
-            pending: BTreeMap::new(),
+            adapters: BTreeMap::new(),
             usage: Usage::default(),
         })
     }
@@ -111,190 +92,57 @@ impl Actor for Broker {
         state: &mut BrokerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            BrokerMsg::Expect {
-                phase,
-                members,
-                reply,
-            } => {
-                abort(state);
-                state.phase = Some(phase);
-                state.expected = members;
-                state.expected.sort_unstable();
-                let _ = reply.send(());
+            BrokerMsg::Join { member, adapter } => {
+                state.adapters.insert(member, adapter);
             }
-            BrokerMsg::Generate {
-                phase,
-                member,
-                adapter,
-                requests,
-                reply,
-            } => {
-                if let Some(request) = admit(
-                    state,
-                    phase,
-                    member,
-                    Pending::Generate(adapter, requests, reply),
-                ) {
-                    refuse(request, phase, member);
-                }
+            BrokerMsg::Leave { member } => {
+                state.adapters.remove(&member);
             }
-            BrokerMsg::Train {
-                phase,
-                member,
-                adapter,
-                rows,
-                reply,
-            } => {
-                if let Some(request) =
-                    admit(state, phase, member, Pending::Train(adapter, rows, reply))
-                {
-                    refuse(request, phase, member);
-                }
+            BrokerMsg::Generate { requests, reply } => {
+                state.usage.count(requests.len());
+                let model = state.decode_model.clone();
+                let (result, ms) = on_adapters(state, move |adapters| {
+                    generate(&model, adapters, requests)
+                        .map_err(|e| anyhow::anyhow!("generate: {e}"))
+                })
+                .await;
+                state.usage.generate_ms += ms;
+                let _ = reply.send(result);
             }
-            BrokerMsg::Abort { reply } => {
-                abort(state);
-                let _ = reply.send(());
+            BrokerMsg::Train { rows, reply } => {
+                state.usage.count(rows.len());
+                let (model, config) = (state.model.clone(), state.train);
+                let (result, ms) = on_adapters(state, move |adapters| {
+                    train_step(&model, adapters, &rows, config)
+                        .map_err(|e| anyhow::anyhow!("train step: {e}"))
+                })
+                .await;
+                state.usage.train_ms += ms;
+                let _ = reply.send(result);
             }
             BrokerMsg::Usage { reply } => {
                 let _ = reply.send(std::mem::take(&mut state.usage));
             }
         }
-        if state.phase.is_some() && state.pending.len() == state.expected.len() {
-            run(state).await;
-        }
         Ok(())
     }
 }
 
-/// Hold a member's request for the phase; gives it back when it does not belong.
-fn admit(
-    state: &mut BrokerState,
-    phase: Phase,
-    member: MemberId,
-    request: Pending,
-) -> Option<Pending> {
-    let expected = state.phase == Some(phase) && state.expected.binary_search(&member).is_ok();
-    if !expected || state.pending.contains_key(&member) {
-        return Some(request);
-    }
-    state.pending.insert(member, request);
-    None
-}
-
-fn refuse(request: Pending, phase: Phase, member: MemberId) {
-    let error = anyhow::anyhow!("member {member} is not part of {phase:?}");
-    match request {
-        Pending::Generate(_, _, reply) => {
-            let _ = reply.send(Err(error));
-        }
-        Pending::Train(_, _, reply) => {
-            let _ = reply.send(Err(error));
-        }
-    }
-}
-
-fn abort(state: &mut BrokerState) {
-    let phase = state.phase.take();
-    for (member, request) in std::mem::take(&mut state.pending) {
-        refuse(request, phase.unwrap_or(Phase::Propose(0)), member);
-    }
-    state.expected.clear();
-}
-
-/// Run the phase's batch: every member's rows in member-id order.
-async fn run(state: &mut BrokerState) {
-    state.phase = None;
-    state.expected.clear();
-    let pending = std::mem::take(&mut state.pending);
-    let model = state.model.clone();
-    let decode_model = state.decode_model.clone();
-    let train = state.train;
-    let mut adapters = Vec::new();
-    let mut generate_rows: Vec<(MemberId, usize, GenReply)> = Vec::new();
-    let mut train_rows: Vec<(MemberId, TrainReply)> = Vec::new();
-    let mut requests = Vec::new();
-    let mut rows = Vec::new();
-    for (member, p) in pending {
-        match p {
-            Pending::Generate(adapter, r, reply) => {
-                adapters.push((member, adapter));
-                generate_rows.push((member, r.len(), reply));
-                requests.extend(r);
-            }
-            Pending::Train(adapter, r, reply) => {
-                adapters.push((member, adapter));
-                train_rows.push((member, reply));
-                rows.extend(r);
-            }
-        }
-    }
-    let batch = requests.len() + rows.len();
-    state.usage.batches += 1;
-    state.usage.rows += batch;
-    state.usage.largest_batch = state.usage.largest_batch.max(batch);
+/// Runs `work` on every joined adapter, on a blocking thread; its result and
+/// the milliseconds it took.
+async fn on_adapters<T: Send + 'static>(
+    state: &BrokerState,
+    work: impl FnOnce(&AdapterSet) -> anyhow::Result<T> + Send + 'static,
+) -> (anyhow::Result<T>, f64) {
+    let adapters = state.adapters.clone();
     let start = Instant::now();
     let result = tokio::task::spawn_blocking(move || {
         let set = adapters
             .iter()
-            .fold(AdapterSet::new(), |s, (id, a)| s.with(*id, a));
-        let generated = if requests.is_empty() {
-            Ok(Vec::new())
-        } else {
-            generate(&decode_model, &set, requests)
-        };
-        let trained = if rows.is_empty() {
-            Ok(Default::default())
-        } else {
-            train_step(&model, &set, &rows, train)
-        };
-        (generated, trained)
+            .fold(AdapterSet::new(), |set, (&id, a)| set.with(id, a));
+        work(&set)
     })
-    .await;
-    let ms = start.elapsed().as_secs_f64() * 1e3;
-    let (generated, trained) = match result {
-        Ok(r) => r,
-        Err(e) => {
-            let message = format!("compute thread failed: {e}");
-            for (_, _, reply) in generate_rows {
-                let _ = reply.send(Err(anyhow::anyhow!(message.clone())));
-            }
-            for (_, reply) in train_rows {
-                let _ = reply.send(Err(anyhow::anyhow!(message.clone())));
-            }
-            return;
-        }
-    };
-    if !generate_rows.is_empty() {
-        state.usage.generate_ms += ms;
-        match generated {
-            Ok(mut all) => {
-                for (_, n, reply) in generate_rows {
-                    let rest = all.split_off(n);
-                    let _ = reply.send(Ok(std::mem::replace(&mut all, rest)));
-                }
-            }
-            Err(e) => {
-                for (_, _, reply) in generate_rows {
-                    let _ = reply.send(Err(anyhow::anyhow!("generate: {e}")));
-                }
-            }
-        }
-    }
-    if !train_rows.is_empty() {
-        state.usage.train_ms += ms;
-        match trained {
-            Ok(mut out) => {
-                for (member, reply) in train_rows {
-                    let grads = out.grads.remove(&member).unwrap_or_default();
-                    let stats = out.stats.remove(&member).unwrap_or_default();
-                    let _ = reply.send(Ok((grads, stats)));
-                }
-            }
-            Err(e) => {
-                for (_, reply) in train_rows {
-                    let _ = reply.send(Err(anyhow::anyhow!("train step: {e}")));
-                }
-            }
-        }
-    }
+    .await
+    .unwrap_or_else(|e| Err(anyhow::anyhow!("compute thread failed: {e}")));
+    (result, start.elapsed().as_secs_f64() * 1e3)
 }

@@ -13,24 +13,25 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use populora::compute::{Cost, TrainRow};
+use populora::compute::{Cost, GenRequest, Generation, TrainRow};
+use populora::lora::AdapterGrads;
 use populora::rating::{match_teachers, record_problem, MatchConfig, Player, TrueSkillConfig};
 use populora::scenario::{EventAction, Mode, Scenario};
 use populora::selfplay::{
-    self, accept, episodes, step_cost, train_rows, Learner, MemberId, Problem, Roster, StepContext,
-    StepMetrics,
+    self, play_step, Learner, MemberId, Problem, ProposalJob, ProposalResult, Roster, SolveJob,
+    SolveResult, StepBackend, StepContext, StepMetrics, Trained,
 };
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::broker::{Broker, BrokerMsg, Phase};
+use super::broker::{Broker, BrokerMsg};
 use super::control::{Command, LiveStatus, Shared};
 use super::engine::Engine;
 use super::evolution::{Contender, Evolution, EvolutionArgs, EvolutionMsg, Newborn};
 use super::journal::{Event, Log, Source};
 use super::league::{League, Part};
-use super::member::{self, Member, MemberArgs, MemberMsg};
+use super::member::{self, Member, MemberArgs, MemberMsg, Updated};
 use super::rundir::RunDir;
 use super::verifier::{Verifier, VerifierArgs, VerifierMsg};
 use super::{ask, Died};
@@ -103,6 +104,12 @@ enum StepError {
 impl From<Died> for StepError {
     fn from(d: Died) -> Self {
         StepError::Died(d)
+    }
+}
+
+impl From<selfplay::Error> for StepError {
+    fn from(e: selfplay::Error) -> Self {
+        StepError::Fatal(e.into())
     }
 }
 
@@ -223,21 +230,23 @@ impl Actor for Coordinator {
 }
 
 async fn spawn_member(state: &mut State, id: MemberId, learner: Learner) -> anyhow::Result<()> {
-    let engine = &state.args.engine;
+    let adapter = learner.adapter.clone();
     let args = MemberArgs {
-        id,
         name: state.args.league.name(id),
         learner,
-        seed: state.args.scenario.seed,
-        tokenizer: engine.tokenizer.clone(),
-        settings: engine.settings.clone(),
-        grammars: engine.grammars.clone(),
-        broker: state.broker.clone(),
+        grad_clip: state.args.engine.settings.grad_clip,
     };
     let (actor, _) = Actor::spawn_linked(None, Member, args, state.cell.clone())
         .await
         .context("starting a member")?;
     state.members.insert(id, actor);
+    state
+        .broker
+        .cast(BrokerMsg::Join {
+            member: id,
+            adapter,
+        })
+        .context("the broker is not running")?;
     Ok(())
 }
 
@@ -284,7 +293,6 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
             }
             Err(StepError::Fatal(e)) => return Err(e.context(format!("step {s}"))),
             Err(StepError::Died(died)) => {
-                let _ = ask(&state.broker, |reply| BrokerMsg::Abort { reply }).await;
                 state.args.league = before.clone();
                 restore_all(state, &snapshots).await?;
                 let now = Instant::now();
@@ -434,117 +442,35 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         tokenizer: &engine.tokenizer,
         grammars: &engine.grammars,
     };
-    let mut clock = Clock::default();
     let mut events = Vec::new();
     state.args.league.step = s;
     for (command, source) in commands {
         apply_command(state, s, command, *source, &mut events).await?;
     }
 
-    publish(state, "propose");
-    let proposers = state.args.league.ids(|m| m.part.proposes());
-    let buffers = Arc::new(state.args.league.buffers.clone());
-    let start = Instant::now();
-    let proposed = phase(state, Phase::Propose(s), &proposers, |_, reply| {
-        MemberMsg::Propose {
-            step: s,
-            buffers: buffers.clone(),
-            reply,
-        }
-    })
-    .await?;
-    clock.add("propose", start);
-    let (jobs, generations): (Vec<_>, Vec<_>) = proposed.into_values().flatten().unzip();
-
-    publish(state, "validate");
-    let start = Instant::now();
-    let proposals = ask(&state.verifier, |reply| VerifierMsg::Proposals {
-        step: s,
-        jobs,
-        generations,
-        reply,
-    })
-    .await??;
-    clock.add("validate", start);
-    accept(&mut state.args.league.buffers, &proposals).map_err(anyhow::Error::from)?;
-
     let roster = roster(state, s)?;
-    let problems: Arc<Vec<Problem>> = Arc::new(
-        selfplay::problems(&ctx, &roster, &proposals, &state.args.league.buffers)
-            .map_err(anyhow::Error::from)?,
-    );
-    let mut solvers: Vec<MemberId> = problems.iter().flat_map(|p| p.solvers.clone()).collect();
-    solvers.sort_unstable();
-    solvers.dedup();
-    publish(state, "solve");
-    let start = Instant::now();
-    let solved = phase(state, Phase::Solve(s), &solvers, |_, reply| {
-        MemberMsg::Solve {
-            step: s,
-            problems: problems.clone(),
-            reply,
-        }
-    })
-    .await?;
-    clock.add("solve", start);
-    let (jobs, generations): (Vec<_>, Vec<_>) = solved.into_values().flatten().unzip();
-    publish(state, "score");
-    let start = Instant::now();
-    let solves = ask(&state.verifier, |reply| VerifierMsg::Solutions {
-        step: s,
-        problems: problems.clone(),
-        jobs,
-        generations,
-        reply,
-    })
-    .await??;
-    clock.add("score", start);
-
-    publish(state, "train");
-    let start = Instant::now();
-    let episodes = episodes(&engine.settings, &proposals, &problems, &solves);
-    let batch = train_rows(&engine.settings, &episodes).map_err(anyhow::Error::from)?;
-    let mut rows: BTreeMap<MemberId, Vec<TrainRow>> = BTreeMap::new();
-    for row in &batch.rows {
-        rows.entry(row.adapter).or_default().push(row.clone());
-    }
-    let trainees: Vec<MemberId> = rows.keys().copied().collect();
-    let reports = phase(state, Phase::Train(s), &trainees, |id, reply| {
-        MemberMsg::Train {
-            step: s,
-            rows: rows.remove(&id).unwrap_or_default(),
-            reply,
-        }
-    })
-    .await?;
-    clock.add("train", start);
-
-    let mut metrics = StepMetrics::measure(
-        s,
-        &engine.settings,
-        &proposals,
-        &problems,
-        &solves,
-        &episodes,
-        &batch,
-    );
-    metrics.compute = step_cost(&engine.model.config, &proposals, &problems, &solves, &batch);
-    for (id, report) in reports {
-        state.args.league.checksums.insert(id, report.checksum);
-        if let Some(norm) = report.grad_norm {
-            metrics.grad_norm.insert(id, norm);
-        }
-        if let Some(stats) = report.stats {
-            metrics.train_tokens.insert(id, stats.tokens);
-        }
-    }
-    state.args.league.spent.add(metrics.compute);
-    state.args.league.last_spent = metrics.compute;
+    let mut buffers = std::mem::take(&mut state.args.league.buffers);
+    let played = play_step(
+        &ctx,
+        &mut Actors { state, step: s },
+        &roster,
+        &mut buffers,
+        &engine.model.config,
+    )
+    .await;
+    state.args.league.buffers = buffers;
+    let report = played?;
+    let mut metrics = report.metrics;
     let league = &mut state.args.league;
+    for (&id, trained) in &report.trained {
+        league.checksums.insert(id, trained.checksum.clone());
+    }
+    league.spent.add(metrics.compute);
+    league.last_spent = metrics.compute;
     for (&id, &reward) in &metrics.member_reward {
         league.rewards.entry(id).or_default().push((s, reward));
     }
-    rate(league, &problems, &solves)?;
+    rate(league, &report.problems, &report.solves)?;
 
     if state.args.scenario.evolution.enabled
         && s.is_multiple_of(state.args.scenario.evolution.every)
@@ -552,34 +478,102 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         publish(state, "evolve");
         let start = Instant::now();
         evolve(state, s, &mut events).await?;
-        clock.add("evolve", start);
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        metrics.phase_ms.insert("evolve".into(), ms);
     }
     // The broker's own compute time: how much of the step the model was busy.
     let usage = ask(&state.broker, |reply| BrokerMsg::Usage { reply }).await?;
-    clock
+    metrics
         .phase_ms
         .insert("compute".into(), usage.generate_ms + usage.train_ms);
-    metrics.phase_ms = clock.phase_ms;
     Ok(Outcome { events, metrics })
 }
 
-/// Ask every member in `ids` (in id order) and wait for all: the broker
-/// batches their compute for `phase` once every one of them has asked.
-async fn phase<T: Send + 'static>(
+/// The runtime's side of [`play_step`]: the broker generates and trains,
+/// the verifier judges, and each member applies its own update.
+struct Actors<'a> {
+    state: &'a mut State,
+    step: u64,
+}
+
+impl StepBackend for Actors<'_> {
+    type Error = StepError;
+
+    fn enter(&mut self, phase: &'static str) {
+        publish(self.state, phase);
+    }
+
+    async fn generate(&mut self, requests: Vec<GenRequest>) -> StepResult<Vec<Generation>> {
+        let broker = &self.state.broker;
+        Ok(ask(broker, |reply| BrokerMsg::Generate { requests, reply }).await??)
+    }
+
+    async fn judge_proposals(
+        &mut self,
+        _ctx: &StepContext<'_>,
+        jobs: Vec<ProposalJob>,
+        generations: Vec<Generation>,
+    ) -> StepResult<Vec<ProposalResult>> {
+        let step = self.step;
+        Ok(ask(&self.state.verifier, |reply| VerifierMsg::Proposals {
+            step,
+            jobs,
+            generations,
+            reply,
+        })
+        .await??)
+    }
+
+    async fn judge_solutions(
+        &mut self,
+        _ctx: &StepContext<'_>,
+        problems: &Arc<Vec<Problem>>,
+        jobs: Vec<SolveJob>,
+        generations: Vec<Generation>,
+    ) -> StepResult<Vec<SolveResult>> {
+        let step = self.step;
+        Ok(ask(&self.state.verifier, |reply| VerifierMsg::Solutions {
+            step,
+            problems: problems.clone(),
+            jobs,
+            generations,
+            reply,
+        })
+        .await??)
+    }
+
+    async fn train(
+        &mut self,
+        _ctx: &StepContext<'_>,
+        rows: Vec<TrainRow>,
+    ) -> StepResult<BTreeMap<MemberId, Trained>> {
+        let out = ask(&self.state.broker, |reply| BrokerMsg::Train { rows, reply }).await??;
+        let updated = update_all(self.state, self.step, out.grads).await?;
+        Ok(updated
+            .into_iter()
+            .map(|(id, u)| {
+                let tokens = out.stats.get(&id).map_or(0, |s| s.tokens);
+                let trained = Trained {
+                    tokens,
+                    grad_norm: u.grad_norm,
+                    checksum: u.checksum,
+                };
+                (id, trained)
+            })
+            .collect())
+    }
+}
+
+/// Send every member its gradients, then wait for all: the members update
+/// concurrently. Results are keyed by member id, so arrival order never
+/// matters; a death is noticed at once.
+async fn update_all(
     state: &State,
-    phase: Phase,
-    ids: &[MemberId],
-    mut message: impl FnMut(MemberId, ractor::RpcReplyPort<anyhow::Result<T>>) -> MemberMsg,
-) -> StepResult<BTreeMap<MemberId, T>> {
-    ask(&state.broker, |reply| BrokerMsg::Expect {
-        phase,
-        members: ids.to_vec(),
-        reply,
-    })
-    .await?;
-    // Send every request first, then wait: the members work concurrently.
+    step: u64,
+    grads: BTreeMap<MemberId, AdapterGrads>,
+) -> StepResult<BTreeMap<MemberId, Updated>> {
     let mut pending = tokio::task::JoinSet::new();
-    for &id in ids {
+    for (id, grads) in grads {
         let name = state.args.league.name(id);
         let actor = state
             .members
@@ -587,35 +581,30 @@ async fn phase<T: Send + 'static>(
             .ok_or_else(|| Died(format!("{name} has no actor")))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         actor
-            .send_message(message(id, tx.into()))
+            .send_message(MemberMsg::Update {
+                step,
+                grads,
+                reply: tx.into(),
+            })
             .map_err(|_| Died(format!("{name} is not running")))?;
         pending.spawn(async move { (id, name, rx.await) });
     }
-    // Results are keyed by member id, so arrival order never matters; a
-    // death is noticed at once even while others wait for the broker.
     let mut out = BTreeMap::new();
     while let Some(joined) = pending.join_next().await {
         let (id, name, result) = joined.map_err(|e| StepError::Fatal(e.into()))?;
         match result {
-            Ok(Ok(v)) => {
-                out.insert(id, v);
+            Ok(Ok(updated)) => {
+                out.insert(id, updated);
             }
-            Ok(Err(e)) => return Err(StepError::Fatal(e.context(format!("{name} in {phase:?}")))),
-            Err(_) => return Err(StepError::Died(Died(format!("{name} died in {phase:?}")))),
+            Ok(Err(e)) => return Err(StepError::Fatal(e.context(format!("{name}'s update")))),
+            Err(_) => {
+                return Err(StepError::Died(Died(format!(
+                    "{name} died in step {step}'s update"
+                ))))
+            }
         }
     }
     Ok(out)
-}
-
-#[derive(Default)]
-struct Clock {
-    phase_ms: BTreeMap<String, f64>,
-}
-
-impl Clock {
-    fn add(&mut self, phase: &str, since: Instant) {
-        *self.phase_ms.entry(phase.to_string()).or_default() += since.elapsed().as_secs_f64() * 1e3;
-    }
 }
 
 fn trueskill() -> TrueSkillConfig {
@@ -753,6 +742,7 @@ fn remove_member(state: &mut State, id: MemberId) {
     if let Some(actor) = state.members.remove(&id) {
         actor.stop(None);
     }
+    let _ = state.broker.cast(BrokerMsg::Leave { member: id });
     state.args.league.remove(id);
 }
 

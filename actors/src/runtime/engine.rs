@@ -4,15 +4,12 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use populora::base::tiny::{self, TinySpec};
-use populora::base::{resolve_model, Arch, BaseModel, Llama, Tokenizer};
-use populora::compute::{Sampling, TrainConfig};
+use populora::base::tiny;
+use populora::base::{resolve_model, BaseModel, Llama, Tokenizer};
 use populora::lora::{AdamWConfig, BaseRef, LoraConfig};
-use populora::rl::{AdvantageConfig, RewardConfig};
 use populora::scenario::{ModelSource, Scenario};
 use populora::selfplay::{Grammars, Settings};
-use populora::task::PromptConfig;
-use populora::verify::{Limits, SandboxConfig};
+use populora::verify::SandboxConfig;
 
 /// The frozen base and every setting derived from the scenario.
 pub struct Engine {
@@ -41,7 +38,7 @@ impl Engine {
         } else {
             Arc::new(model.to_device(&device)?)
         };
-        let settings = settings(scenario);
+        let settings = Settings::from_scenario(scenario);
         let grammars = Grammars::compile(&tokenizer, model.config.vocab_size, &settings)
             .context("compiling the reply grammars")?;
         Ok(Engine {
@@ -51,28 +48,9 @@ impl Engine {
             tokenizer: Arc::new(tokenizer),
             settings: Arc::new(settings),
             grammars: Arc::new(grammars),
-            lora: LoraConfig {
-                rank: scenario.lora.rank,
-                alpha: scenario.lora.alpha,
-                targets: scenario.lora.targets.clone(),
-                use_rslora: scenario.lora.rslora,
-            },
-            adamw: AdamWConfig {
-                lr: scenario.training.lr,
-                beta1: scenario.training.beta1,
-                beta2: scenario.training.beta2,
-                eps: scenario.training.eps,
-                weight_decay: scenario.training.weight_decay,
-            },
-            sandbox: SandboxConfig {
-                workers: scenario.verifier.workers,
-                limits: Limits {
-                    timeout_ms: scenario.verifier.timeout_ms,
-                    memory_mb: scenario.verifier.memory_mb,
-                    ..Limits::default()
-                },
-                ..SandboxConfig::default()
-            },
+            lora: scenario.adapter_config(),
+            adamw: scenario.adamw_config(),
+            sandbox: scenario.sandbox_config(),
         })
     }
 }
@@ -83,18 +61,7 @@ fn base_model(
 ) -> anyhow::Result<(Llama, Tokenizer)> {
     match &scenario.model.source {
         ModelSource::Tiny => {
-            let t = scenario.model.tiny.clone().unwrap_or_default();
-            let spec = TinySpec {
-                arch: Arch::Llama,
-                layers: t.layers,
-                hidden: t.hidden,
-                heads: t.heads,
-                kv_heads: t.kv_heads,
-                ffn: t.ffn,
-                max_positions: t.max_positions,
-                seed: t.seed,
-                ..TinySpec::default()
-            };
+            let spec = scenario.model.tiny.clone().unwrap_or_default().spec();
             let (model, vocab) = tiny::build(&spec)?;
             Ok((model, vocab.tokenizer()?))
         }
@@ -106,39 +73,4 @@ fn base_model(
 fn load(path: &std::path::Path) -> anyhow::Result<(Llama, Tokenizer)> {
     let base = BaseModel::load(path).with_context(|| format!("loading {}", path.display()))?;
     Ok((base.model, base.tokenizer))
-}
-
-/// The engine's self-play settings from the scenario's sections.
-pub fn settings(s: &Scenario) -> Settings {
-    let p = &s.selfplay;
-    Settings {
-        task_kinds: p.task_kinds.clone(),
-        prompt: PromptConfig {
-            references: p.references,
-            max_prompt_tokens: p.max_prompt_tokens,
-            induction_inputs: p.induction_inputs,
-            induction_shown: p.induction_shown,
-        },
-        proposals_per_kind: p.proposals_per_teacher,
-        solver_samples: p.solver_samples,
-        max_new_tokens: p.max_new_tokens,
-        sampling: Sampling {
-            temperature: p.temperature as f32,
-            top_p: p.top_p as f32,
-        },
-        constrained: p.constrained,
-        prefill: p.prefill_answer,
-        rewards: RewardConfig {
-            correct_reward: s.rewards.correct,
-            malformed_penalty: s.rewards.malformed,
-            wrong_penalty: s.rewards.wrong,
-            solver_rollouts: p.solver_samples,
-        },
-        advantage: AdvantageConfig::default(),
-        train: TrainConfig {
-            clip: s.training.clip,
-            token_budget: s.training.micro_batch_tokens,
-        },
-        grad_clip: s.training.grad_clip,
-    }
 }

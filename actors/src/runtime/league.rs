@@ -31,9 +31,6 @@ impl Part {
             Part::Solo => "solo",
         }
     }
-    pub fn proposes(self) -> bool {
-        self != Part::Student
-    }
     pub fn of(role: Role) -> Part {
         match role {
             Role::Teacher => Part::Teacher,
