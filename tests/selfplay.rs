@@ -339,3 +339,66 @@ fn generated_steps_on_a_tiny_model_are_reproducible() {
     let second = generated_run(2);
     assert_eq!(first, second);
 }
+
+#[test]
+fn a_proposal_whose_solver_prompt_cannot_fit_is_rejected_not_fatal() {
+    let (model, tok) = tiny();
+    let mut settings = settings(&[TaskKind::Deduction, TaskKind::Abduction]);
+    // Proposer and deduction prompts fit (≈ 350-540 tokens of the tiny
+    // vocabulary); this abduction prompt is ≈ 760.
+    let limit = 600;
+    settings.prompt.max_prompt_tokens = limit;
+    let ctx = StepContext {
+        seed: 5,
+        step: 1,
+        settings: &settings,
+        tokenizer: &tok,
+        grammars: &Grammars::off(),
+    };
+    let learners = BTreeMap::from([(0u64, learner(&model, 5, 0)), (1u64, learner(&model, 5, 1))]);
+    let roster = Roster {
+        proposers: vec![0],
+        matches: BTreeMap::from([(0, vec![1])]),
+        solvers: vec![1],
+    };
+    let pool = pool();
+    let mut buffers = TaskBuffers::seeded();
+    let set = learners
+        .iter()
+        .fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    // A short program with an 11,000-character output: a deduction prompt
+    // shows only program and input, an abduction prompt shows the output too.
+    let long = "```python\ndef f(x):\n    return list(range(x))\n```\n```input\n2000\n```";
+    let texts = [PROPOSALS[0], long, long, PROPOSALS[3]];
+    let jobs = selfplay::proposal_jobs(&ctx, &roster, &buffers).unwrap();
+    let generations = jobs
+        .iter()
+        .zip(texts)
+        .map(|(j, text)| scripted(&model, &tok, &set, j.author, &j.tokens, text))
+        .collect();
+    let proposals = selfplay::judge_proposals(&ctx, jobs, generations, &pool).unwrap();
+    let rejections: Vec<_> = proposals.iter().map(|p| p.verdict.rejection()).collect();
+    assert_eq!(
+        rejections,
+        [None, None, Some("prompt_too_long".into()), None]
+    );
+    let Verdict::TooLong { tokens } = proposals[2].verdict else {
+        panic!()
+    };
+    assert!(tokens > limit, "{tokens}");
+    selfplay::accept(&mut buffers, &proposals).unwrap();
+    assert_eq!(
+        buffers.len(TaskKind::Abduction),
+        2,
+        "the long one is not kept"
+    );
+    let problems = selfplay::problems(&ctx, &roster, &proposals, &buffers).unwrap();
+    assert_eq!(problems.len(), 3);
+
+    // A task over the budget that reaches the solvers anyway (from a buffer
+    // written before the check) is left out rather than failing the step.
+    let mut sneaked = proposals[1].clone();
+    sneaked.job.kind = TaskKind::Abduction;
+    let problems = selfplay::problems(&ctx, &roster, &[sneaked], &buffers).unwrap();
+    assert!(problems.is_empty(), "{} problems", problems.len());
+}

@@ -56,7 +56,7 @@ pub fn episodes(
     let proposer = proposals.iter().enumerate().map(|(i, p)| {
         let outcome = match &p.verdict {
             Verdict::Malformed(_) => ProposerOutcome::Malformed,
-            Verdict::Invalid { .. } => ProposerOutcome::Invalid,
+            Verdict::Invalid { .. } | Verdict::TooLong { .. } => ProposerOutcome::Invalid,
             Verdict::Valid { .. } => ProposerOutcome::Valid {
                 solver_results: results_of.remove(&i).unwrap_or_default(),
             },

@@ -8,8 +8,8 @@ use crate::compute::{GenRequest, Generation};
 use crate::keyed_stream;
 use crate::task::grammar::arity;
 use crate::task::{
-    parse_induction_proposal, parse_proposal, proposer_prompt, FormatError, InductionTask, IoPair,
-    ProposerPrompt, Role, TaskBuffers, TaskKind, Triplet,
+    parse_induction_proposal, parse_proposal, proposer_prompt, solver_prompt, FormatError,
+    InductionTask, IoPair, ProposerPrompt, Role, SolverTask, TaskBuffers, TaskKind, Triplet,
 };
 use crate::verify::{Features, Job, Outcome, Status, VerifierPool};
 
@@ -70,6 +70,12 @@ pub enum Verdict {
         status: Status,
         reason: String,
     },
+    /// Valid, but a solver prompt for it would be over the prompt budget
+    /// (`tokens` > `prompt.max_prompt_tokens`): a program's output can be
+    /// longer than anything the grammar bounds.
+    TooLong {
+        tokens: usize,
+    },
     Valid {
         task: AcceptedTask,
         features: Option<Features>,
@@ -82,6 +88,7 @@ impl Verdict {
         match self {
             Verdict::Malformed(e) => Some(format!("format.{}", e.code())),
             Verdict::Invalid { status, .. } => Some(status.name().to_string()),
+            Verdict::TooLong { .. } => Some("prompt_too_long".to_string()),
             Verdict::Valid { .. } => None,
         }
     }
@@ -282,7 +289,41 @@ fn verdict(
             author: Some(job.author),
         }),
     };
-    Verdict::Valid { task, features }
+    match longest_solver_prompt(ctx, job.kind, &task) {
+        Some(tokens) => Verdict::TooLong { tokens },
+        None => Verdict::Valid { task, features },
+    }
+}
+
+/// The solver task a triplet of `kind` poses.
+pub(super) fn triplet_task(kind: TaskKind, triplet: &Triplet) -> SolverTask {
+    match kind {
+        TaskKind::Abduction => SolverTask::Abduction(triplet.clone()),
+        _ => SolverTask::Deduction(triplet.clone()),
+    }
+}
+
+/// The token length of the longest solver prompt `task` can give, when that
+/// is over the budget. An induction task is measured showing its longest pairs.
+fn longest_solver_prompt(ctx: &StepContext, kind: TaskKind, task: &AcceptedTask) -> Option<usize> {
+    let solver_task = match task {
+        AcceptedTask::Triplet(t) => triplet_task(kind, t),
+        AcceptedTask::Induction(t) => {
+            let mut shown = t.pairs.clone();
+            shown.sort_by_key(|p| std::cmp::Reverse(p.input.len() + p.output.len()));
+            let hidden = shown.split_off(ctx.settings.prompt.induction_shown.min(shown.len()));
+            SolverTask::Induction {
+                program: t.program.clone(),
+                message: t.message.clone(),
+                shown,
+                hidden,
+            }
+        }
+    };
+    match solver_prompt(&solver_task, &ctx.settings.prompt, &|c| ctx.measure(c)) {
+        Err(crate::task::Error::PromptTooLong { tokens, .. }) => Some(tokens),
+        _ => None,
+    }
 }
 
 /// Append every valid proposal to its buffer, in result order.

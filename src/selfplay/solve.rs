@@ -98,10 +98,7 @@ pub fn problems(
             continue;
         }
         let task = match task {
-            AcceptedTask::Triplet(t) => match r.job.kind {
-                crate::task::TaskKind::Abduction => SolverTask::Abduction(t.clone()),
-                _ => SolverTask::Deduction(t.clone()),
-            },
+            AcceptedTask::Triplet(t) => super::propose::triplet_task(r.job.kind, t),
             AcceptedTask::Induction(t) => {
                 let mut rng = keyed_stream!(ctx.seed, "induction-split", ctx.step, i);
                 solver_task_from_induction(t, ctx.settings.prompt.induction_shown, &mut rng)
@@ -121,23 +118,27 @@ pub fn problems(
             }
         }
     }
-    tasks
-        .into_iter()
-        .map(|(proposal, author, task, solvers)| {
-            let prompt = solver_prompt(&task, &ctx.settings.prompt, &|c| ctx.measure(c))?;
-            let prefix = ctx.prefix(task.kind(), crate::task::Role::Solver);
-            let tokens = ctx.encode_with(&prompt.chat, prefix)?;
-            Ok(Problem {
-                proposal,
-                author,
-                task,
-                prompt,
-                prefix: prefix.to_string(),
-                tokens,
-                solvers,
-            })
-        })
-        .collect()
+    // A prompt over the budget (a buffer task from before the check at
+    // validation, or an unlucky induction split) is left out, not an error.
+    let mut problems = Vec::new();
+    for (proposal, author, task, solvers) in tasks {
+        let prompt = match solver_prompt(&task, &ctx.settings.prompt, &|c| ctx.measure(c)) {
+            Err(crate::task::Error::PromptTooLong { .. }) => continue,
+            built => built?,
+        };
+        let prefix = ctx.prefix(task.kind(), crate::task::Role::Solver);
+        let tokens = ctx.encode_with(&prompt.chat, prefix)?;
+        problems.push(Problem {
+            proposal,
+            author,
+            task,
+            prompt,
+            prefix: prefix.to_string(),
+            tokens,
+            solvers,
+        });
+    }
+    Ok(problems)
 }
 
 /// Every (problem, solver, sample), in that order.
