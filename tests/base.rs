@@ -1,10 +1,13 @@
 //! The base model against independent implementations, on tiny random models
 //! that the tests write to disk themselves.
 
+use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, IndexOp, Tensor, Var};
 use candle_nn::VarBuilder;
-use populora::base::tiny::{self, TinySpec, TINY_CHAT_TEMPLATE};
-use populora::base::{gguf, hf, Arch, BaseModel, KvCache, Llama, Logits, NoLora, Positions};
+use populora::base::tiny::{self, TinySpec};
+use populora::base::{
+    gguf, hf, Arch, BaseModel, KvCache, Llama, Logits, Message, NoLora, Positions,
+};
 
 fn tmpdir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("populora-test-{}-{name}", std::process::id()));
@@ -74,7 +77,7 @@ fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
     };
     let (model, vocab) = tiny::build(&spec).unwrap();
     let dir = tmpdir("hf-llama");
-    hf::write(&dir, &model, vocab.tokenizer().unwrap().inner(), 2).unwrap();
+    hf::write(&dir, &model, &vocab, 2).unwrap();
     let ours = BaseModel::load(&dir).unwrap();
     assert!(
         dir.join("model.safetensors.index.json").exists(),
@@ -127,7 +130,7 @@ fn hf_qwen2_with_biases_matches_candle_transformers() {
     let (model, vocab) = tiny::build(&spec).unwrap();
     assert!(model.blocks[0].q.bias.is_some());
     let dir = tmpdir("hf-qwen2");
-    hf::write(&dir, &model, vocab.tokenizer().unwrap().inner(), 1).unwrap();
+    hf::write(&dir, &model, &vocab, 1).unwrap();
     let ours = BaseModel::load(&dir).unwrap();
 
     let cfg: peer::Config =
@@ -267,14 +270,7 @@ fn gradient_of_logits_wrt_input_embeddings_matches_finite_differences() {
 
 fn tiny_gguf_contents() -> (Llama, gguf::GgufContents) {
     let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
-    let contents = gguf::GgufContents::of(
-        &model,
-        &vocab.tokens,
-        &vocab.merges,
-        &vocab.special,
-        TINY_CHAT_TEMPLATE,
-    )
-    .unwrap();
+    let contents = gguf::GgufContents::of(&model, &vocab).unwrap();
     (model, contents)
 }
 
@@ -311,7 +307,7 @@ fn bad_model_files_are_clear_errors() {
     assert!(load_error(&not_gguf).contains("no GGUF magic"));
 
     let (_, mut falcon) = tiny_gguf_contents();
-    falcon.metadata[0].1 = candle_core::quantized::gguf_file::Value::String("falcon".into());
+    falcon.metadata[0].1 = gguf_file::Value::String("falcon".into());
     let path = dir.join("falcon.gguf");
     falcon.write(&path).unwrap();
     let e = load_error(&path);
@@ -361,4 +357,162 @@ fn tiny_tokenizer_round_trips_and_keeps_special_tokens_whole() {
     assert!(tok
         .stop_ids
         .contains(&tok.token_to_id("<|im_end|>").unwrap()));
+}
+
+/// What the tiny model's own metadata says about chatting: ChatML, `<|im_end|>`.
+const TINY_SYSTEM_AND_USER: &str =
+    "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n";
+
+fn system_and_user() -> [Message; 2] {
+    [Message::new("system", "S"), Message::new("user", "U")]
+}
+
+#[test]
+fn chat_template_and_stop_tokens_come_from_the_model_files() {
+    let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
+    let dir = tmpdir("chat");
+    let gguf_path = dir.join("tiny.gguf");
+    vocab.write_gguf(&gguf_path, &model).unwrap();
+    let hf_dir = dir.join("hf");
+    hf::write(&hf_dir, &model, &vocab, 1).unwrap();
+    let [end_of_text, _, im_end] = [256, 257, 258];
+    assert_eq!(vocab.text(im_end), "<|im_end|>");
+    for tokenizer in [
+        vocab.tokenizer().unwrap(),
+        BaseModel::load(&gguf_path).unwrap().tokenizer,
+        BaseModel::load(&hf_dir).unwrap().tokenizer,
+    ] {
+        let rendered = tokenizer.chat.render(&system_and_user()).unwrap();
+        assert_eq!(rendered, TINY_SYSTEM_AND_USER);
+        assert_eq!(tokenizer.stop_ids, [im_end, end_of_text]);
+    }
+
+    // Another template in the GGUF metadata is the one rendered, and the
+    // file's eos is the first stop token.
+    let (_, mut other) = tiny_gguf_contents();
+    for (key, value) in &mut other.metadata {
+        match key.as_str() {
+            "tokenizer.chat_template" => {
+                *value = gguf_file::Value::String(
+                    "{% for m in messages %}[{{ m.role }}] {{ m.content }} {{ eos_token }}\n{% endfor %}[assistant]".into(),
+                )
+            }
+            "tokenizer.ggml.eos_token_id" => *value = gguf_file::Value::U32(end_of_text),
+            _ => {}
+        }
+    }
+    let path = dir.join("other.gguf");
+    other.write(&path).unwrap();
+    let tokenizer = BaseModel::load(&path).unwrap().tokenizer;
+    assert_eq!(
+        tokenizer.chat.render(&system_and_user()).unwrap(),
+        "[system] S <|endoftext|>\n[user] U <|endoftext|>\n[assistant]"
+    );
+    assert_eq!(tokenizer.stop_ids, [end_of_text]);
+}
+
+#[test]
+fn a_gguf_without_chat_template_or_eos_is_a_clear_error() {
+    let dir = tmpdir("gguf-chat");
+    let without = |key: &str| {
+        let (_, mut contents) = tiny_gguf_contents();
+        contents.metadata.retain(|(k, _)| k != key);
+        let path = dir.join(format!("without-{key}.gguf"));
+        contents.write(&path).unwrap();
+        path
+    };
+    let e = load_error(&without("tokenizer.chat_template"));
+    assert!(
+        e.contains("without-tokenizer.chat_template.gguf: the model has no chat template")
+            && e.contains("tokenizer.chat_template is missing"),
+        "{e}"
+    );
+    let e = load_error(&without("tokenizer.ggml.eos_token_id"));
+    assert!(
+        e.contains("missing metadata field \"tokenizer.ggml.eos_token_id\""),
+        "{e}"
+    );
+
+    let (_, mut broken) = tiny_gguf_contents();
+    for (key, value) in &mut broken.metadata {
+        if key == "tokenizer.chat_template" {
+            *value = gguf_file::Value::String("{% for m in messages %}{{ m.content }".into());
+        }
+    }
+    let path = dir.join("broken.gguf");
+    broken.write(&path).unwrap();
+    let e = load_error(&path);
+    assert!(
+        e.contains("broken.gguf (tokenizer.chat_template): the chat template does not compile"),
+        "{e}"
+    );
+}
+
+#[test]
+fn hf_chat_template_and_eos_follow_transformers() {
+    let (model, vocab) = tiny::build(&TinySpec::default()).unwrap();
+    let dir = tmpdir("hf-chat");
+    hf::write(&dir, &model, &vocab, 1).unwrap();
+    let tok_config = dir.join("tokenizer_config.json");
+    let write_tok_config = |json: serde_json::Value| {
+        std::fs::write(&tok_config, json.to_string()).unwrap();
+    };
+    let render = || {
+        let base = BaseModel::load(&dir).unwrap();
+        (
+            base.tokenizer.chat.render(&system_and_user()).unwrap(),
+            base.tokenizer.stop_ids,
+        )
+    };
+
+    // A list of named templates: `default` is the one.
+    write_tok_config(serde_json::json!({
+        "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ bos_token }}{{ messages[1].content }}{{ eos_token }}"},
+        ],
+        "bos_token": {"content": "<|im_start|>", "special": true},
+        "eos_token": "<|endoftext|>",
+    }));
+    let (text, stops) = render();
+    assert_eq!(text, "<|im_start|>U<|endoftext|>");
+    // tokenizer_config's eos first, then config.json's (`<|im_end|>`).
+    assert_eq!(stops, [256, 258]);
+
+    // chat_template.jinja wins over tokenizer_config.json.
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "jinja: {{ messages[0].content }}",
+    )
+    .unwrap();
+    assert_eq!(render().0, "jinja: S");
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
+
+    write_tok_config(serde_json::json!({ "eos_token": "<|im_end|>" }));
+    let e = load_error(&dir);
+    assert!(
+        e.contains("hf-chat: the model has no chat template")
+            && e.contains("chat_template in tokenizer_config.json"),
+        "{e}"
+    );
+
+    write_tok_config(serde_json::json!({ "chat_template": "x", "eos_token": "<|nope|>" }));
+    let e = load_error(&dir);
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("\"<|nope|>\" is not in tokenizer.json"),
+        "{e}"
+    );
+
+    // No eos anywhere: config.json's removed too.
+    write_tok_config(serde_json::json!({ "chat_template": "x" }));
+    let config_path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("eos_token_id");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let e = load_error(&dir);
+    assert!(
+        e.contains("hf-chat: the model declares no end-of-sequence token"),
+        "{e}"
+    );
 }

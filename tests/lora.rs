@@ -5,8 +5,8 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use populora::base::fetch;
-use populora::base::tiny::{self, TinySpec, TINY_CHAT_TEMPLATE};
-use populora::base::{self, gguf, Arch, ModelConfig, Target};
+use populora::base::tiny::{self, TinySpec};
+use populora::base::{self, Arch, ModelConfig, Target};
 use populora::keyed_stream;
 use populora::lora::{
     clip_grad_norm, export_peft, grad_norm, import_peft, names_model, peft_key, read_peft,
@@ -520,15 +520,7 @@ fn peft_round_trip_against_a_gguf_base() {
     let dir = temp_dir("peft-gguf");
     let gguf_path = dir.join("tiny.gguf");
     std::fs::create_dir_all(&dir).unwrap();
-    gguf::write(
-        &gguf_path,
-        &tiny_llama,
-        &vocab.tokens,
-        &vocab.merges,
-        &vocab.special,
-        TINY_CHAT_TEMPLATE,
-    )
-    .unwrap();
+    vocab.write_gguf(&gguf_path, &tiny_llama).unwrap();
     let cfg = base::read_config(&gguf_path).unwrap();
     let adapter = trained_adapter(&cfg, lora_config(), SEED);
     let peft_dir = dir.join("peft");

@@ -5,10 +5,12 @@
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, IndexOp, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use populora::base::fetch::DEFAULT_MODEL;
+use populora::base::fetch::{DEFAULT_MODEL, HUMAN_EVAL};
 use populora::base::{BaseModel, Logits, Message, NoLora, Positions};
 use populora::compute::{self, AdapterSet, GenRequest, Sampling};
+use populora::eval::humaneval;
 use populora::keyed_stream;
+use populora::task;
 
 fn model_path() -> std::path::PathBuf {
     DEFAULT_MODEL
@@ -115,7 +117,7 @@ fn smollm2_tokenizer_and_chat_format() {
     // SmolLM2 splits numbers into single digits.
     let digits = tok.encode("12345").unwrap();
     assert_eq!(digits.len(), 5);
-    let chat = tok.chat.render(&[Message::new("user", "hi")]);
+    let chat = tok.chat.render(&[Message::new("user", "hi")]).unwrap();
     assert!(
         chat.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"),
         "{chat}"
@@ -123,6 +125,81 @@ fn smollm2_tokenizer_and_chat_format() {
     assert!(chat.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
     let ids = tok.encode(&chat).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one special token");
+}
+
+/// What populora rendered before it read the model's template: ChatML with
+/// SmolLM2's default system prompt when the conversation has none.
+fn hard_coded_chatml(messages: &[Message]) -> String {
+    let mut out = String::new();
+    let mut turn = |role: &str, content: &str| {
+        out.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
+    };
+    if messages.first().is_none_or(|m| m.role != "system") {
+        turn(
+            "system",
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        );
+    }
+    for m in messages {
+        turn(&m.role, &m.content);
+    }
+    out.push_str("<|im_start|>assistant\n");
+    out
+}
+
+/// The default model's own template renders every prompt byte for byte as
+/// the hard-coded ChatML did, and it stops at the same tokens, so the
+/// quickstart and every recorded eval are unchanged.
+#[test]
+fn smollm2_template_renders_exactly_the_former_chatml() {
+    let base = BaseModel::load(&model_path()).unwrap();
+    let tok = &base.tokenizer;
+    assert_eq!(tok.stop_ids, [2, 0], "<|im_end|>, then <|endoftext|>");
+    let mut conversations: Vec<Vec<Message>> = vec![
+        vec![Message::new("user", "hi")],
+        vec![Message::new("system", "S"), Message::new("user", "hi")],
+        vec![Message::new("user", "  surrounding whitespace \n\n")],
+        vec![Message::new(
+            "user",
+            "{{ not jinja }} {% raw %} <|im_end|> ünï",
+        )],
+        vec![Message::new("user", "")],
+        vec![
+            Message::new("user", "1"),
+            Message::new("assistant", "2"),
+            Message::new("user", "3"),
+        ],
+    ];
+    // Every HumanEval prompt `eval` records, and a self-play solver prompt.
+    let human_eval = HUMAN_EVAL
+        .ensure(&mut |m| eprintln!("{m}"))
+        .unwrap_or_else(|e| panic!("HumanEval is required for this test: {e}"));
+    let mut prompts: Vec<_> = humaneval::load(&human_eval)
+        .unwrap()
+        .iter()
+        .map(humaneval::prompt)
+        .collect();
+    let solver = task::SolverTask::Deduction(task::Triplet::identity());
+    prompts.push(
+        task::solver_prompt(&solver, &task::PromptConfig::default(), &|_| 0)
+            .unwrap()
+            .chat,
+    );
+    assert_eq!(prompts.len(), 165);
+    conversations.extend(prompts.into_iter().map(|p| {
+        vec![
+            Message::new("system", p.system),
+            Message::new("user", p.user),
+        ]
+    }));
+    for messages in &conversations {
+        let rendered = tok.chat.render(messages).unwrap();
+        assert_eq!(rendered, hard_coded_chatml(messages), "{messages:?}");
+        assert_eq!(
+            tok.encode_chat(messages).unwrap(),
+            tok.encode(&hard_coded_chatml(messages)).unwrap()
+        );
+    }
 }
 
 /// Issue 6's end-to-end step on the real model: one solo self-play step with

@@ -27,6 +27,17 @@ pub enum Error {
     },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    #[error(
+        "{path}: the model has no chat template ({key} is missing); populora writes \
+         prompts in the model's own chat format, so it needs a model that ships one"
+    )]
+    NoChatTemplate { path: PathBuf, key: &'static str },
+    #[error("{origin}: the chat template does not compile: {reason}")]
+    BadChatTemplate { origin: String, reason: String },
+    #[error("{origin}: rendering the chat template failed: {reason}")]
+    ChatRender { origin: String, reason: String },
+    #[error("{path}: the model declares no end-of-sequence token (looked for {looked})")]
+    NoEosToken { path: PathBuf, looked: &'static str },
     #[error("prompt of {tokens} tokens does not fit the context of {context} tokens")]
     TooLong { tokens: usize, context: usize },
     #[error("fetching the model failed: {reason}\nto fix: {fix}")]

@@ -12,10 +12,12 @@ use candle_core::quantized::gguf_file::{self, Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
+use super::chat::ChatTemplate;
 use super::config::{Arch, ModelConfig};
 use super::error::{Error, Result};
 use super::model::{Block, Linear, Llama};
-use super::tokenizer::{ChatTemplate, Tokenizer};
+use super::tiny::TinyVocab;
+use super::tokenizer::Tokenizer;
 
 /// GGUF `token_type` of control tokens (`<|im_start|>` etc.).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -193,16 +195,61 @@ fn tokenizer_of(r: &Reader) -> Result<Tokenizer> {
         .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL)
         .map(|(i, _)| i as u32)
         .collect();
-    let template = r
-        .meta("tokenizer.chat_template")
-        .ok()
-        .and_then(|v| v.to_string().ok().cloned())
-        .unwrap_or_default();
-    Tokenizer::from_bpe(
-        &tokens,
-        &merges,
-        &special,
-        ChatTemplate::from_jinja(&template),
+    let eos = token_id(r, EOS_FIELD, &tokens)?.ok_or_else(|| Error::MissingField {
+        path: r.path.to_path_buf(),
+        field: EOS_FIELD.into(),
+    })?;
+    // llama.cpp's end-of-turn token, when the file names one, is what ends an
+    // assistant turn, so it goes first.
+    let eot = token_id(r, "tokenizer.ggml.eot_token_id", &tokens)?;
+    let eom = token_id(r, "tokenizer.ggml.eom_token_id", &tokens)?;
+    let eos_ids: Vec<u32> = [eot, Some(eos), eom].into_iter().flatten().collect();
+    let chat = chat_template(r, &tokens, eos)?;
+    Tokenizer::from_bpe(&tokens, &merges, &special, chat, &eos_ids)
+}
+
+const EOS_FIELD: &str = "tokenizer.ggml.eos_token_id";
+const CHAT_TEMPLATE_FIELD: &str = "tokenizer.chat_template";
+
+/// A token id field of the metadata, if present, checked against the vocabulary.
+fn token_id(r: &Reader, field: &str, tokens: &[String]) -> Result<Option<u32>> {
+    let id = match r.meta_usize(field) {
+        Ok(id) => id,
+        Err(Error::MissingField { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if id >= tokens.len() {
+        return Err(Error::bad_file(
+            r.path,
+            format!(
+                "{field} is {id}, outside the vocabulary of {}",
+                tokens.len()
+            ),
+        ));
+    }
+    Ok(Some(id as u32))
+}
+
+/// The file's chat template, with its bos and eos texts.
+fn chat_template(r: &Reader, tokens: &[String], eos: u32) -> Result<ChatTemplate> {
+    let source = match r.meta(CHAT_TEMPLATE_FIELD) {
+        Ok(v) => v
+            .to_string()
+            .map_err(|e| Error::bad_file(r.path, format!("{CHAT_TEMPLATE_FIELD}: {e}")))?,
+        Err(_) => {
+            return Err(Error::NoChatTemplate {
+                path: r.path.to_path_buf(),
+                key: CHAT_TEMPLATE_FIELD,
+            })
+        }
+    };
+    let text = |id: u32| tokens[id as usize].clone();
+    let bos = token_id(r, "tokenizer.ggml.bos_token_id", tokens)?.map(text);
+    ChatTemplate::new(
+        source,
+        format!("{} ({CHAT_TEMPLATE_FIELD})", r.path.display()),
+        bos,
+        Some(text(eos)),
     )
 }
 
@@ -273,16 +320,11 @@ pub struct GgufContents {
 }
 
 impl GgufContents {
-    /// `model` (HF layout) and its tokenizer vocabulary as a llama.cpp-style
-    /// Llama GGUF, with q/k rows permuted as llama.cpp does.
-    pub fn of(
-        model: &Llama,
-        tokens: &[String],
-        merges: &[String],
-        special: &[u32],
-        chat_template: &str,
-    ) -> Result<Self> {
+    /// `model` (HF layout) and its vocabulary, chat template and eos as a
+    /// llama.cpp-style Llama GGUF, with q/k rows permuted as llama.cpp does.
+    pub fn of(model: &Llama, vocab: &TinyVocab) -> Result<Self> {
         let cfg = &model.config;
+        let (tokens, special) = (&vocab.tokens, &vocab.special);
         let u32v = |n: usize| Value::U32(n as u32);
         let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
         let types = (0..tokens.len() as u32)
@@ -313,11 +355,12 @@ impl GgufContents {
             ("tokenizer.ggml.model", Value::String("gpt2".into())),
             ("tokenizer.ggml.pre", Value::String("smollm".into())),
             (
-                "tokenizer.chat_template",
-                Value::String(chat_template.into()),
+                CHAT_TEMPLATE_FIELD,
+                Value::String(vocab.chat_template.into()),
             ),
+            (EOS_FIELD, Value::U32(vocab.eos)),
             ("tokenizer.ggml.tokens", strings(tokens)),
-            ("tokenizer.ggml.merges", strings(merges)),
+            ("tokenizer.ggml.merges", strings(&vocab.merges)),
             ("tokenizer.ggml.token_type", Value::Array(types)),
         ]
         .into_iter()
@@ -365,18 +408,6 @@ impl GgufContents {
         gguf_file::write(&mut file, &meta, &tensors)?;
         Ok(())
     }
-}
-
-/// Write `model` and its vocabulary as a Llama GGUF file (for test models).
-pub fn write(
-    path: &Path,
-    model: &Llama,
-    tokens: &[String],
-    merges: &[String],
-    special: &[u32],
-    chat_template: &str,
-) -> Result<()> {
-    GgufContents::of(model, tokens, merges, special, chat_template)?.write(path)
 }
 
 /// Whether `path` starts with the GGUF magic.

@@ -1,6 +1,8 @@
 //! Reading (and, for tests, writing) HF checkpoints: a directory with
 //! `config.json`, `model.safetensors` or sharded `model-*.safetensors` with
-//! `model.safetensors.index.json`, and `tokenizer.json`. Llama and Qwen2.
+//! `model.safetensors.index.json`, `tokenizer.json`, and the chat template and
+//! special tokens of `tokenizer_config.json` (or `chat_template.jinja`).
+//! Llama and Qwen2.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -8,10 +10,12 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
+use super::chat::ChatTemplate;
 use super::config::{Arch, ModelConfig};
 use super::error::{Error, Result};
 use super::model::{Block, Linear, Llama};
-use super::tokenizer::{ChatTemplate, Tokenizer};
+use super::tiny::TinyVocab;
+use super::tokenizer::Tokenizer;
 
 #[derive(Deserialize)]
 struct HfConfig {
@@ -116,7 +120,10 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
     let tok_path = dir.join("tokenizer.json");
     let inner =
         tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::bad_file(&tok_path, e))?;
-    let tokenizer = Tokenizer::from_inner(inner, chat_template(dir));
+    let tok_config = TokenizerConfig::read(dir)?;
+    let chat = tok_config.chat_template(dir)?;
+    let eos_ids = eos_ids(dir, &tok_config, &inner)?;
+    let tokenizer = Tokenizer::from_inner(inner, chat, &eos_ids);
     let mut tensors = read_tensors(dir)?;
     let mut take = |name: &str, shape: &[usize]| -> Result<Tensor> {
         let t = tensors.remove(name).ok_or_else(|| Error::BadTensor {
@@ -185,20 +192,118 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
     ))
 }
 
-/// The chat template from `tokenizer_config.json` when present; ChatML without
-/// a default system prompt otherwise.
-fn chat_template(dir: &Path) -> ChatTemplate {
-    std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| {
-            v.get("chat_template")?
-                .as_str()
-                .map(ChatTemplate::from_jinja)
-        })
-        .unwrap_or(ChatTemplate {
-            default_system: None,
-        })
+/// A JSON file of the directory, if it is there.
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
+    let value = serde_json::from_str(&text).map_err(|e| Error::bad_file(path, e))?;
+    Ok(Some(value))
+}
+
+/// `tokenizer_config.json` (empty when absent): the chat template and the
+/// special tokens transformers hands it.
+struct TokenizerConfig {
+    path: std::path::PathBuf,
+    json: serde_json::Value,
+}
+
+impl TokenizerConfig {
+    fn read(dir: &Path) -> Result<TokenizerConfig> {
+        let path = dir.join("tokenizer_config.json");
+        let json = read_json(&path)?.unwrap_or_default();
+        Ok(TokenizerConfig { path, json })
+    }
+
+    /// A special token's text: a string, or an added token's `content`.
+    fn token(&self, key: &str) -> Option<&str> {
+        let value = self.json.get(key)?;
+        value.as_str().or_else(|| value.get("content")?.as_str())
+    }
+
+    /// The template as transformers finds it: `chat_template.jinja` when the
+    /// directory has one, else `chat_template` (a string, or a list of named
+    /// templates of which we take `default`).
+    fn chat_template(&self, dir: &Path) -> Result<ChatTemplate> {
+        let jinja = dir.join("chat_template.jinja");
+        let (source, origin) = if jinja.exists() {
+            let source = std::fs::read_to_string(&jinja).map_err(Error::io(&jinja))?;
+            (source, jinja.display().to_string())
+        } else {
+            let source = match self.json.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+                _ => None,
+            };
+            let source = source.ok_or_else(|| Error::NoChatTemplate {
+                path: dir.to_path_buf(),
+                key: "chat_template.jinja, or chat_template in tokenizer_config.json",
+            })?;
+            (source, format!("{} (chat_template)", self.path.display()))
+        };
+        ChatTemplate::new(
+            &source,
+            origin,
+            self.token("bos_token").map(str::to_string),
+            self.token("eos_token").map(str::to_string),
+        )
+    }
+}
+
+/// The end-of-sequence ids: `tokenizer_config.json`'s `eos_token` first (in
+/// chat models it ends the assistant's turn), then `eos_token_id` (a number
+/// or a list) of `generation_config.json` and of `config.json`.
+fn eos_ids(
+    dir: &Path,
+    tok_config: &TokenizerConfig,
+    inner: &tokenizers::Tokenizer,
+) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    if let Some(eos) = tok_config.token("eos_token") {
+        let id = inner.token_to_id(eos).ok_or_else(|| {
+            Error::bad_file(
+                &tok_config.path,
+                format!("eos_token {eos:?} is not in tokenizer.json"),
+            )
+        })?;
+        ids.push(id);
+    }
+    for file in ["generation_config.json", "config.json"] {
+        let path = dir.join(file);
+        let Some(json) = read_json(&path)? else {
+            continue;
+        };
+        let declared = match json.get("eos_token_id") {
+            Some(serde_json::Value::Array(list)) => list.clone(),
+            Some(one) if !one.is_null() => vec![one.clone()],
+            _ => Vec::new(),
+        };
+        for value in declared {
+            let id = value
+                .as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .filter(|&id| inner.id_to_token(id).is_some())
+                .ok_or_else(|| {
+                    Error::bad_file(
+                        &path,
+                        format!("eos_token_id {value} is not a token of tokenizer.json"),
+                    )
+                })?;
+            ids.push(id);
+        }
+    }
+    if ids.is_empty() {
+        return Err(Error::NoEosToken {
+            path: dir.to_path_buf(),
+            looked: "eos_token in tokenizer_config.json, eos_token_id in \
+                     generation_config.json and config.json",
+        });
+    }
+    Ok(ids)
 }
 
 /// The HF tensor names and values of `model` (for writing test checkpoints).
@@ -234,14 +339,9 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
 }
 
 /// Write `model` as an HF directory split into `shards` safetensors files
-/// (one file without an index when `shards == 1`), with `config.json` and
-/// the given `tokenizer.json`.
-pub fn write(
-    dir: &Path,
-    model: &Llama,
-    tokenizer: &tokenizers::Tokenizer,
-    shards: usize,
-) -> Result<()> {
+/// (one file without an index when `shards == 1`), with `config.json`, and
+/// `tokenizer.json` and `tokenizer_config.json` of `vocab`.
+pub fn write(dir: &Path, model: &Llama, vocab: &TinyVocab, shards: usize) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
     let cfg = &model.config;
     let arch = match cfg.arch {
@@ -262,8 +362,7 @@ pub fn write(
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": "silu",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        "eos_token_id": vocab.eos,
         "_name_or_path": cfg.name,
         "sliding_window": cfg.max_position_embeddings,
         "max_window_layers": cfg.num_layers,
@@ -276,9 +375,18 @@ pub fn write(
     )
     .map_err(Error::io(&config_path))?;
     let tok_path = dir.join("tokenizer.json");
-    tokenizer
+    vocab
+        .tokenizer()?
+        .inner()
         .save(&tok_path, false)
         .map_err(|e| Error::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+    let tok_config = serde_json::json!({
+        "chat_template": vocab.chat_template,
+        "eos_token": vocab.text(vocab.eos),
+    });
+    let tok_config_path = dir.join("tokenizer_config.json");
+    std::fs::write(&tok_config_path, tok_config.to_string())
+        .map_err(Error::io(&tok_config_path))?;
 
     let tensors = named_tensors(model);
     let shards = shards.max(1);

@@ -2,6 +2,7 @@
 //! format, the Llama-family forward with a LoRA hook and KV cache, fetching the
 //! default model into the cache, and tiny random models for tests.
 
+mod chat;
 mod config;
 mod decode_attention;
 pub mod device;
@@ -21,13 +22,14 @@ mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
+pub use chat::{ChatTemplate, Message};
 pub use config::{Arch, ModelConfig, Source};
 pub use error::{Error, Result};
 pub use model::{
     rms_norm, Block, BlockContext, KvCache, Linear, Llama, Logits, LoraHook, NoLora, Positions,
 };
 pub use target::Target;
-pub use tokenizer::{ChatTemplate, Message, Tokenizer, IM_END, IM_START};
+pub use tokenizer::Tokenizer;
 
 /// A loaded base: weights, tokenizer, and where they came from.
 #[derive(Debug, Clone)]

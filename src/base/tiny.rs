@@ -4,10 +4,11 @@
 use candle_core::{Device, Tensor};
 use rand::Rng;
 
+use super::chat::ChatTemplate;
 use super::config::{Arch, ModelConfig};
 use super::error::Result;
 use super::model::{Block, Linear, Llama};
-use super::tokenizer::{byte_to_char, ChatTemplate, Tokenizer};
+use super::tokenizer::{byte_to_char, Tokenizer};
 
 /// The shape of a tiny model. `vocab` must be at least 259 (bytes + 3 specials).
 #[derive(Debug, Clone)]
@@ -63,15 +64,19 @@ impl TinySpec {
 }
 
 /// The vocabulary of a tiny model: the 256 byte tokens, `<|endoftext|>`,
-/// `<|im_start|>`, `<|im_end|>`, then filler tokens.
+/// `<|im_start|>`, `<|im_end|>`, then filler tokens; and what its metadata
+/// says about chatting: a ChatML template, `<|im_end|>` as its eos.
 #[derive(Debug, Clone)]
 pub struct TinyVocab {
     pub tokens: Vec<String>,
     pub merges: Vec<String>,
     pub special: Vec<u32>,
+    pub chat_template: &'static str,
+    pub eos: u32,
 }
 
-pub const TINY_CHAT_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}";
+/// The tiny models' chat template: ChatML, as in Hugging Face's ChatML models.
+pub const TINY_CHAT_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 impl TinyVocab {
     pub fn new(vocab: usize) -> TinyVocab {
@@ -87,28 +92,29 @@ impl TinyVocab {
             tokens,
             merges: Vec::new(),
             special: (special_start..special_start + 3).collect(),
+            chat_template: TINY_CHAT_TEMPLATE,
+            eos: special_start + 2,
         }
     }
 
     /// Write `model` with this vocabulary as a Llama GGUF file.
     pub fn write_gguf(&self, path: &std::path::Path, model: &Llama) -> Result<()> {
-        super::gguf::write(
-            path,
-            model,
-            &self.tokens,
-            &self.merges,
-            &self.special,
-            TINY_CHAT_TEMPLATE,
-        )
+        super::gguf::GgufContents::of(model, self)?.write(path)
+    }
+
+    /// The text of token `id` (empty outside the vocabulary).
+    pub fn text(&self, id: u32) -> &str {
+        self.tokens.get(id as usize).map_or("", String::as_str)
     }
 
     pub fn tokenizer(&self) -> Result<Tokenizer> {
-        Tokenizer::from_bpe(
-            &self.tokens,
-            &self.merges,
-            &self.special,
-            ChatTemplate::from_jinja(TINY_CHAT_TEMPLATE),
-        )
+        let chat = ChatTemplate::new(
+            self.chat_template,
+            "the tiny model's chat template",
+            None,
+            Some(self.text(self.eos).to_string()),
+        )?;
+        Tokenizer::from_bpe(&self.tokens, &self.merges, &self.special, chat, &[self.eos])
     }
 }
 

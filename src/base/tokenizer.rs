@@ -1,9 +1,10 @@
-//! The tokenizer and chat format of a base model.
+//! The tokenizer of a base model, with its chat template and stop tokens.
 //!
 //! GGUF files carry a byte-level BPE vocabulary (`tokenizer.ggml.tokens`,
 //! `tokenizer.ggml.merges`) that we rebuild with the `tokenizers` crate; HF
 //! directories carry a `tokenizer.json`. Either way the result is a [`Tokenizer`]
-//! that knows its special tokens and the ChatML turn format.
+//! that knows its special tokens, the tokens that end a reply, and the model's
+//! chat template.
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -13,84 +14,18 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::AddedToken;
 
+use super::chat::{ChatTemplate, Message};
 use super::error::{Error, Result};
 
-/// ChatML markers (SmolLM2, Qwen2).
-pub const IM_START: &str = "<|im_start|>";
-pub const IM_END: &str = "<|im_end|>";
-
-/// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    pub role: String,
-    pub content: String,
-}
-
-impl Message {
-    pub fn new(role: &str, content: impl Into<String>) -> Message {
-        Message {
-            role: role.to_string(),
-            content: content.into(),
-        }
-    }
-}
-
-/// The model's chat format: ChatML, with the default system prompt the
-/// model's template inserts when a conversation does not start with one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChatTemplate {
-    pub default_system: Option<String>,
-}
-
-impl ChatTemplate {
-    /// Read the default system prompt out of a Jinja ChatML template, e.g.
-    /// SmolLM2's `'<|im_start|>system\nYou are a helpful ...<|im_end|>\n'`.
-    pub fn from_jinja(template: &str) -> ChatTemplate {
-        // The newline after "system" is a real newline in some files and a
-        // Jinja escape (`\n`) in others.
-        let found = ["<|im_start|>system\n", "<|im_start|>system\\n"]
-            .iter()
-            .find_map(|m| template.find(m).map(|start| start + m.len()));
-        let default_system = found.and_then(|start| {
-            let rest = &template[start..];
-            let end = rest.find(IM_END)?;
-            let text = &rest[..end];
-            // A literal in the template, not an expression such as `message['content']`.
-            (!text.contains('\'') && !text.contains('{')).then(|| text.to_string())
-        });
-        ChatTemplate { default_system }
-    }
-
-    /// Render messages followed by the start of an assistant turn.
-    pub fn render(&self, messages: &[Message]) -> String {
-        let mut out = String::new();
-        let has_system = messages.first().is_some_and(|m| m.role == "system");
-        if let (false, Some(system)) = (has_system, &self.default_system) {
-            push_turn(&mut out, "system", system);
-        }
-        for m in messages {
-            push_turn(&mut out, &m.role, &m.content);
-        }
-        out.push_str(IM_START);
-        out.push_str("assistant\n");
-        out
-    }
-}
-
-fn push_turn(out: &mut String, role: &str, content: &str) {
-    out.push_str(IM_START);
-    out.push_str(role);
-    out.push('\n');
-    out.push_str(content);
-    out.push_str(IM_END);
-    out.push('\n');
-}
+/// Where byte-level BPE vocabularies (GPT-2, SmolLM, Qwen) end a pretraining
+/// document. See [`Tokenizer::from_inner`].
+const END_OF_TEXT: &str = "<|endoftext|>";
 
 /// A tokenizer plus the ids that generation needs.
 #[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    /// Tokens that end an assistant turn (`<|im_end|>`, eos).
+    /// Tokens that end a reply; the first ends an assistant turn.
     pub stop_ids: Vec<u32>,
     pub chat: ChatTemplate,
 }
@@ -124,12 +59,14 @@ pub fn byte_to_char() -> [char; 256] {
 impl Tokenizer {
     /// Build a byte-level BPE tokenizer (SmolLM2's pre-tokenizer: single digits,
     /// then GPT-2 byte-level splitting) from a vocabulary and merges.
-    /// `special` lists the control tokens (matched whole, never split).
+    /// `special` lists the control tokens (matched whole, never split);
+    /// `eos_ids` as in [`Tokenizer::from_inner`].
     pub fn from_bpe(
         tokens: &[String],
         merges: &[String],
         special: &[u32],
         chat: ChatTemplate,
+        eos_ids: &[u32],
     ) -> Result<Tokenizer> {
         let vocab: tokenizers::models::bpe::Vocab = tokens
             .iter()
@@ -161,15 +98,30 @@ impl Tokenizer {
             .map(|t| AddedToken::from(t.clone(), true))
             .collect();
         inner.add_special_tokens(&added);
-        Ok(Self::from_inner(inner, chat))
+        Ok(Self::from_inner(inner, chat, eos_ids))
     }
 
-    /// Wrap a `tokenizer.json` tokenizer.
-    pub fn from_inner(inner: tokenizers::Tokenizer, chat: ChatTemplate) -> Tokenizer {
-        let stop_ids = [IM_END, "<|endoftext|>", "</s>"]
+    /// Wrap a `tokenizer.json` tokenizer. `eos_ids` are the end-of-sequence
+    /// ids the model's files declare, the one that ends an assistant turn
+    /// first (a finished grammar emits it). They stop a reply, and so does
+    /// `<|endoftext|>` where the vocabulary has it: a model that emits the end
+    /// of a document is done (llama.cpp stops there too), and SmolLM2 declares
+    /// only `<|im_end|>` but was always stopped at both.
+    pub fn from_inner(
+        inner: tokenizers::Tokenizer,
+        chat: ChatTemplate,
+        eos_ids: &[u32],
+    ) -> Tokenizer {
+        let mut stop_ids: Vec<u32> = Vec::new();
+        for id in eos_ids
             .iter()
-            .filter_map(|t| inner.token_to_id(t))
-            .collect();
+            .copied()
+            .chain(inner.token_to_id(END_OF_TEXT))
+        {
+            if !stop_ids.contains(&id) {
+                stop_ids.push(id);
+            }
+        }
         Tokenizer {
             inner,
             stop_ids,
@@ -207,9 +159,9 @@ impl Tokenizer {
         self.decode(&tokens[..end])
     }
 
-    /// Encode a user turn in the model's chat format, ready for the assistant.
+    /// Encode messages in the model's chat format, ready for the assistant.
     pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>> {
-        self.encode(&self.chat.render(messages))
+        self.encode(&self.chat.render(messages)?)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -234,20 +186,5 @@ mod tests {
         assert_eq!(seen.len(), 256);
         assert_eq!(table[b' ' as usize], 'Ġ');
         assert_eq!(table[b'a' as usize], 'a');
-    }
-
-    #[test]
-    fn default_system_prompt_is_read_from_the_template() {
-        let t = ChatTemplate::from_jinja(
-            "{% if loop.first %}{{ '<|im_start|>system\\nYou are SmolLM<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}",
-        );
-        assert_eq!(t.default_system.as_deref(), Some("You are SmolLM"));
-        let text = t.render(&[Message::new("user", "hi")]);
-        assert_eq!(
-            text,
-            "<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
-        let with_system = t.render(&[Message::new("system", "S"), Message::new("user", "hi")]);
-        assert!(with_system.starts_with("<|im_start|>system\nS<|im_end|>"));
     }
 }

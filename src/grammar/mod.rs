@@ -52,8 +52,8 @@ impl std::fmt::Debug for Vocabulary {
 
 impl Vocabulary {
     /// The vocabulary of `tokenizer`, padded to the model's `size` logits. A
-    /// completed grammar allows exactly the tokenizer's first stop token
-    /// (`<|im_end|>` for ChatML models), so every constrained reply ends as
+    /// completed grammar allows exactly the tokenizer's first stop token (the
+    /// model's end of an assistant turn), so every constrained reply ends as
     /// an unconstrained one does.
     pub fn new(tokenizer: &Tokenizer, size: usize) -> Result<Vocabulary> {
         let stop = *tokenizer

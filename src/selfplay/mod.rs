@@ -190,7 +190,7 @@ impl StepContext<'_> {
         let rendered = self.tokenizer.chat.render(&[
             Message::new("system", chat.system.clone()),
             Message::new("user", chat.user.clone()),
-        ]);
+        ])?;
         Ok(self.tokenizer.encode(&format!("{rendered}{prefix}"))?)
     }
 
