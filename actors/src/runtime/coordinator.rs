@@ -275,7 +275,7 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
     let before = state.args.league.clone();
     let snapshots = snapshot_all(state)
         .await
-        .map_err(|d| anyhow::anyhow!(d.0))?;
+        .map_err(|d| anyhow::anyhow!(d.message))?;
     loop {
         match attempt(state, s, &commands).await {
             Ok(outcome) => {
@@ -304,17 +304,17 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
                 };
                 state.args.journal.append(&Event::Fault {
                     step: s,
-                    member: "member".into(),
-                    message: died.0.clone(),
+                    member: died.member.clone(),
+                    message: died.message.clone(),
                     action: action.into(),
                 })?;
-                eprintln!("step {s}: {}; {action}", died.0);
+                eprintln!("step {s}: {}; {action}", died.message);
                 if give_up {
                     checkpoint(state).await?;
                     anyhow::bail!(
                         "more than {MAX_RESTARTS} restarts within {}s ({}); stopped after step {} with a checkpoint — `populora resume` continues",
                         RESTART_WINDOW.as_secs(),
-                        died.0,
+                        died.message,
                         s - 1
                     );
                 }
@@ -395,10 +395,8 @@ async fn snapshot_all(state: &State) -> Result<BTreeMap<MemberId, Learner>, Died
         let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
             .await?
             .map_err(|e| {
-                Died(format!(
-                    "{}: snapshot failed: {e}",
-                    state.args.league.name(id)
-                ))
+                let name = state.args.league.name(id);
+                Died::member(&name, format!("{name}: snapshot failed: {e}"))
             })?;
         out.insert(id, learner);
     }
@@ -584,11 +582,11 @@ async fn phase<T: Send + 'static>(
         let actor = state
             .members
             .get(&id)
-            .ok_or_else(|| Died(format!("{name} has no actor")))?;
+            .ok_or_else(|| Died::member(&name, format!("{name} has no actor")))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         actor
             .send_message(message(id, tx.into()))
-            .map_err(|_| Died(format!("{name} is not running")))?;
+            .map_err(|_| Died::member(&name, format!("{name} is not running")))?;
         pending.spawn(async move { (id, name, rx.await) });
     }
     // Results are keyed by member id, so arrival order never matters; a
@@ -601,7 +599,10 @@ async fn phase<T: Send + 'static>(
                 out.insert(id, v);
             }
             Ok(Err(e)) => return Err(StepError::Fatal(e.context(format!("{name} in {phase:?}")))),
-            Err(_) => return Err(StepError::Died(Died(format!("{name} died in {phase:?}")))),
+            Err(_) => {
+                let died = Died::member(&name, format!("{name} died in {phase:?}"));
+                return Err(StepError::Died(died));
+            }
         }
     }
     Ok(out)
@@ -711,10 +712,13 @@ async fn contenders(state: &State, part: Part) -> StepResult<Vec<Contender>> {
     let mut out = Vec::new();
     for id in league.ids(|m| m.part == part) {
         let actor = &state.members[&id];
-        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply }).await??;
+        let name = league.name(id);
+        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
+            .await
+            .map_err(|d| d.of_member(&name))??;
         out.push(Contender {
             id,
-            name: league.name(id),
+            name,
             subpop: league.members[&id].subpop,
             fitness: league.fitness(id, evolution.fitness, evolution.fitness_window),
             learner,
@@ -904,7 +908,7 @@ async fn checkpoint(state: &mut State) -> anyhow::Result<()> {
                 reply,
             })
             .await
-            .map_err(|d| anyhow::anyhow!(d.0))??;
+            .map_err(|d| anyhow::anyhow!(d.message))??;
         }
     }
     // members/ holds the live population only; the dead stay in older checkpoints.

@@ -186,7 +186,7 @@ async fn generate_on_broker(
         reply,
     })
     .await
-    .map_err(|d| anyhow::anyhow!("broker: {}", d.0))?
+    .map_err(|d| anyhow::anyhow!("broker: {}", d.message))?
 }
 
 async fn train(
@@ -204,7 +204,7 @@ async fn train(
         reply,
     })
     .await
-    .map_err(|d| anyhow::anyhow!("broker: {}", d.0))??;
+    .map_err(|d| anyhow::anyhow!("broker: {}", d.message))??;
     let learner = &mut state.args.learner;
     let report = apply_update(
         &learner.adapter,
