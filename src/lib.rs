@@ -13,6 +13,7 @@
 //! | [`eval`] | held-out benchmarks: HumanEval, HumanEval-IO, GSM8K/MATH sets, result tables |
 //! | [`rating`] | TrueSkill ratings and near-balanced (PFSP) matchmaking |
 //! | [`report`] | the run report: plots (SVG, PNG) and index.html from journal and metrics |
+//! | [`run_files`] | the on-disk schema of a run's `metrics.jsonl` and `journal.jsonl` |
 //! | [`rl`] | rewards, TRR++ advantages, PPO-clip token loss |
 //! | [`scenario`] | the scenario schema, defaults, validation |
 //! | [`selfplay`] | one self-play step as plain function calls (phases, rewards, update) |
@@ -28,6 +29,7 @@ pub mod rating;
 pub mod report;
 pub mod rl;
 pub mod rng;
+pub mod run_files;
 pub mod scenario;
 pub mod selfplay;
 pub mod task;

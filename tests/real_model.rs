@@ -261,7 +261,7 @@ fn one_selfplay_step_on_smollm2() {
     )
     .unwrap();
     let m = &report.metrics;
-    eprintln!("{}", serde_json::to_string(m).unwrap());
+    eprintln!("{m:?}");
     assert_eq!(m.proposals.total, 4);
     let rejected: usize = m.proposals.rejected.values().sum();
     assert_eq!(m.proposals.valid + rejected, 4);

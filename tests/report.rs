@@ -1,6 +1,6 @@
-//! Integration tests of `populora::report`: a synthetic 20-step run with
-//! spawns, culls, a kill and a fault; incomplete runs; corrupt and truncated
-//! lines; empty inputs.
+//! Integration tests of `populora::report`: a synthetic 20-step run (in the
+//! runtime's line format, `populora::run_files`) with spawns, culls, a kill
+//! and a fault; incomplete runs; corrupt and truncated lines; empty inputs.
 //!
 //! Set `POPULORA_REPORT_DEMO=DIR` to keep the synthetic run (and its report)
 //! in DIR, e.g. for `scripts/check-report.sh`.
@@ -107,8 +107,9 @@ fn step_metrics(step: u64) -> Value {
         "groups": groups,
         "proposals": {"total": 8, "valid": programs.len(), "learnable": programs.len() / 2, "rejected": {"format": 2, "timeout": 1}},
         "solve_rate": {"deduction": 0.5 + 0.4 * (s / 2.0).sin(), "abduction": abduction, "induction": 0.2 + s * 0.02},
+        "solver_format_errors": {"deduction": 0.0, "abduction": null, "induction": 0.1},
         "programs": programs,
-        "tokens": {"prompt_mean": 300.0, "response_mean": 80.0},
+        "tokens": {"prompt_mean": 300.0, "prompt_max": 420, "response_mean": 80.0, "truncated": 0.05},
         "future_field": {"ignored": true}
     })
 }
@@ -126,11 +127,11 @@ fn journal(last_step: u64, with_end: bool) -> Vec<Value> {
         events.push(json!({"event": "step", "step": step, "checksums": checksums}));
         match step {
             3 => {
-                events.push(json!({"event": "control", "step": 3, "command": {"kill": "student-1"}, "source": "ctl"}));
+                events.push(json!({"event": "control", "step": 3, "command": {"cmd": "kill", "member": "student-1"}, "source": "ctl", "outcome": "applied"}));
                 events.push(json!({"event": "kill", "step": 3, "id": "student-1"}));
             }
             5 => spawn_cull(&mut events, 5, "student-3", "student-4", &["student-0", "student-2"], &["ties", "svd_noise"]),
-            7 => events.push(json!({"event": "fault", "step": 7, "member": "student-0", "message": "panic: boom", "action": "restarted"})),
+            7 => events.push(json!({"event": "fault", "step": 7, "member": "student-0", "message": "student-0 died in Solve(7)", "action": "restarted; step retried"})),
             10 => {
                 spawn_cull(&mut events, 10, "teacher-1", "teacher-2", &["teacher-0"], &["clone", "gaussian"]);
                 spawn_cull(&mut events, 10, "student-2", "student-5", &["student-4", "student-0"], &["dare", "layer_gauss"]);
@@ -318,8 +319,8 @@ fn full_run_writes_every_plot_and_the_page() {
         "4 spawned, 4 culled, 1 killed",
         "populora eval",
         "propose",
-        "panic: boom",
-        "kill student-1",
+        "student-0 died in Solve(7) → restarted; step retried",
+        "kill student-1 (from ctl) → applied",
     ] {
         assert!(html.contains(text), "index.html lacks {text:?}");
     }
@@ -440,16 +441,21 @@ fn empty_inputs_do_not_panic() {
     let svgs = check_outputs(&run.join("report"));
     assert!(svg_of(&svgs, "solve_rate").contains("no data"));
 
-    // Empty files, and a journal with only a start event.
+    // Empty files, and a journal with only a start event (and a blank line).
     fs::write(run.join("metrics.jsonl"), "").expect("metrics");
-    fs::write(run.join("journal.jsonl"), "{\"event\":\"start\"}\n\n").expect("journal");
+    let start = json!({"event": "start", "seed": 1, "scenario": "solo", "members": []});
+    fs::write(run.join("journal.jsonl"), format!("{start}\n\n")).expect("journal");
     let summary = report::write(&run, run.join("report")).expect("report of empty files");
     assert!(summary.warnings.iter().any(|w| w.contains("no records")));
     check_outputs(&run.join("report"));
 
-    // One step, members with no fitness, programs with missing features.
-    let one = json!({"step": 1, "members": [{"id": "solo-0", "role": "solo"}],
-                     "programs": [{"author": "solo-0"}], "solve_rate": {"deduction": null}});
+    // One step with nothing in it: no groups, no programs, no solve rate.
+    let one = json!({"step": 1, "wall_ms": 5.0, "phase_ms": {},
+        "members": [{"id": "solo-0", "role": "solo", "subpop": 0, "reward_mean": null,
+                     "fitness": 0.0, "rating": {"mu": 25.0, "sigma": 8.3}}],
+        "groups": [], "proposals": {"total": 0, "valid": 0, "rejected": {}},
+        "solve_rate": {"deduction": null}, "solver_format_errors": {}, "programs": [],
+        "tokens": {"prompt_mean": 0.0, "prompt_max": 0, "response_mean": 0.0, "truncated": 0.0}});
     fs::write(run.join("metrics.jsonl"), format!("{one}\n")).expect("metrics");
     let summary = report::write(&run, run.join("report")).expect("report of one step");
     assert_eq!(summary.steps, 1);

@@ -11,7 +11,9 @@ use populora::compute::{self, AdapterSet, Generation, Pick, ScoreRow, StopReason
 use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
 use populora::rl::ppo_clip_token_loss;
-use populora::selfplay::{self, Grammars, Learner, Roster, Settings, StepContext, Verdict};
+use populora::selfplay::{
+    self, Grammars, Learner, Roster, Settings, StepContext, StepMetrics, Verdict,
+};
 use populora::task::{PromptConfig, TaskBuffers, TaskKind};
 use populora::verify::{SandboxConfig, VerifierPool};
 
@@ -263,7 +265,7 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
 
 /// Steps of every task kind with structured decoding on: seeded, so
 /// reproducible, and every reply parses.
-fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
+fn generated_run(steps: u64) -> (Vec<StepMetrics>, Vec<String>) {
     let (model, tok) = tiny();
     let base = settings(&TaskKind::ALL);
     let settings = Settings {
@@ -291,7 +293,7 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
     };
     let pool = pool();
     let mut buffers = TaskBuffers::seeded();
-    let mut lines = Vec::new();
+    let mut measured = Vec::new();
     for step in 1..=steps {
         let ctx = StepContext {
             seed: 9,
@@ -324,13 +326,13 @@ fn generated_run(steps: u64) -> (Vec<String>, Vec<String>) {
         }
         let mut m = m.clone();
         m.phase_ms.clear();
-        lines.push(serde_json::to_string(&m).unwrap());
+        measured.push(m);
     }
     let sums = learners
         .values()
         .map(|l| l.adapter.checksum().unwrap())
         .collect();
-    (lines, sums)
+    (measured, sums)
 }
 
 #[test]

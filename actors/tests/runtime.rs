@@ -7,6 +7,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use populora::run_files::Event;
+
 fn scenario(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../scenarios")
@@ -255,8 +257,28 @@ fn a_member_that_panics_is_restarted_and_the_run_ends_the_same() {
     .unwrap();
     ok(out);
     let text = journal(&dir);
-    assert!(text.contains(r#""event":"fault","step":2"#), "{text}");
-    assert!(text.contains("restarted; step retried"));
+    let faults: Vec<(u64, Option<String>, String)> = text
+        .lines()
+        .filter_map(|line| match serde_json::from_str(line) {
+            Ok(Event::Fault {
+                step,
+                member,
+                action,
+                ..
+            }) => Some((step, member, action)),
+            Ok(_) => None,
+            Err(e) => panic!("{e}: {line}"),
+        })
+        .collect();
+    assert_eq!(
+        faults,
+        [(
+            2,
+            Some("student-0".to_string()),
+            "restarted; step retried".to_string()
+        )],
+        "{text}"
+    );
     assert_eq!(end_line(&dir), end_line(baseline()));
 }
 

@@ -5,27 +5,32 @@
 //! Colours are stable within a run: a task kind has the same colour in every
 //! figure, and members are coloured in natural id order.
 
+use std::collections::BTreeSet;
+
 use super::chart::{EndMark, LegendKey, LineChart, Panel, Series};
 use super::history::{mean, Fate, History};
-use super::input::{ProgramMetrics, ProposalCounts, Rating, StepMetrics};
-use super::order::{distinct, distinct_ids, id_key, kind_order, role_rank, sorted};
+use super::input::MetricsLine;
+use super::order::{distinct, distinct_ids, id_key, role_rank, sorted};
 use super::scene::{Stroke, BLACK, DASHES, MUTED, PALETTE};
+use crate::rating::Rating;
+use crate::run_files::{ProgramLine, ProposalCounts};
+use crate::task::{Role, TaskKind};
 
 const STEP: &str = "step";
 
-/// Every task kind the metrics mention, in display order.
-pub(crate) fn kinds(metrics: &[StepMetrics]) -> Vec<String> {
-    let mut all: Vec<&String> = Vec::new();
+/// Every task kind the metrics mention, in display (AZR) order.
+pub(crate) fn kinds(metrics: &[MetricsLine]) -> Vec<TaskKind> {
+    let mut all = BTreeSet::new();
     for m in metrics {
-        all.extend(m.solve_rate.keys());
-        all.extend(m.groups.iter().map(|g| &g.kind));
-        all.extend(m.programs.iter().filter_map(|p| p.kind.as_ref()));
+        all.extend(m.solve_rate.keys().copied());
+        all.extend(m.groups.iter().map(|g| g.kind));
+        all.extend(m.programs.iter().map(|p| p.kind));
     }
-    kind_order(all)
+    all.into_iter().collect()
 }
 
-fn kind_stroke(kinds: &[String], kind: &str) -> Stroke {
-    let index = kinds.iter().position(|k| k == kind).unwrap_or(0);
+fn kind_stroke(kinds: &[TaskKind], kind: TaskKind) -> Stroke {
+    let index = kinds.iter().position(|&k| k == kind).unwrap_or(0);
     Stroke::solid(PALETTE[index % PALETTE.len()], 2.0)
 }
 
@@ -50,17 +55,17 @@ fn line(name: &str, points: Vec<(f64, Option<f64>)>, stroke: Stroke) -> Series {
 
 /// Mean AST nodes and mean cyclomatic complexity of the valid proposals, over
 /// all authors (black) and per author.
-pub(crate) fn complexity(metrics: &[StepMetrics]) -> LineChart {
+pub(crate) fn complexity(metrics: &[MetricsLine]) -> LineChart {
     let authors = distinct_ids(
         metrics
             .iter()
-            .flat_map(|m| m.programs.iter().filter_map(|p| p.author.as_deref())),
+            .flat_map(|m| m.programs.iter().map(|p| p.author.as_str())),
     );
-    let feature_panel = |label: &str, feature: fn(&ProgramMetrics) -> Option<u64>| {
+    let feature_panel = |label: &str, feature: fn(&ProgramLine) -> u32| {
         let all = metrics
             .iter()
             .filter_map(|m| {
-                let v = mean(m.programs.iter().filter_map(feature).map(|v| v as f64))?;
+                let v = mean(m.programs.iter().map(feature).map(f64::from))?;
                 Some((m.step as f64, Some(v)))
             })
             .collect();
@@ -69,11 +74,8 @@ pub(crate) fn complexity(metrics: &[StepMetrics]) -> LineChart {
             let points = metrics
                 .iter()
                 .filter_map(|m| {
-                    let mine = m
-                        .programs
-                        .iter()
-                        .filter(|p| p.author.as_ref() == Some(author));
-                    let v = mean(mine.filter_map(feature).map(|v| v as f64))?;
+                    let mine = m.programs.iter().filter(|p| p.author == *author);
+                    let v = mean(mine.map(feature).map(f64::from))?;
                     Some((m.step as f64, Some(v)))
                 })
                 .collect();
@@ -90,25 +92,28 @@ pub(crate) fn complexity(metrics: &[StepMetrics]) -> LineChart {
         title: "Problem complexity of valid proposals".to_string(),
         x_label: STEP.to_string(),
         panels: vec![
-            feature_panel("mean AST nodes", |p| p.ast_nodes),
-            feature_panel("mean cyclomatic complexity", |p| p.cyclomatic),
+            feature_panel("mean AST nodes", |p| p.features.ast_nodes),
+            feature_panel("mean cyclomatic complexity", |p| p.features.cyclomatic),
         ],
         notes: Vec::new(),
     }
 }
 
 /// Student solve rate per task kind; a step without problems of a kind is a gap.
-pub(crate) fn solve_rate(metrics: &[StepMetrics]) -> LineChart {
+pub(crate) fn solve_rate(metrics: &[MetricsLine]) -> LineChart {
     let kinds = kinds(metrics);
-    let solve_kinds = kind_order(metrics.iter().flat_map(|m| m.solve_rate.keys()));
-    let series = solve_kinds
+    let solve_kinds: BTreeSet<TaskKind> = metrics
         .iter()
+        .flat_map(|m| m.solve_rate.keys().copied())
+        .collect();
+    let series = solve_kinds
+        .into_iter()
         .map(|kind| {
             let points = metrics
                 .iter()
-                .map(|m| (m.step as f64, m.solve_rate.get(kind).copied().flatten()))
+                .map(|m| (m.step as f64, m.solve_rate.get(&kind).copied().flatten()))
                 .collect();
-            line(kind, points, kind_stroke(&kinds, kind))
+            line(kind.name(), points, kind_stroke(&kinds, kind))
         })
         .collect();
     LineChart {
@@ -126,18 +131,20 @@ pub(crate) fn solve_rate(metrics: &[StepMetrics]) -> LineChart {
 
 /// Cumulative count of distinct program signatures (ast_nodes, max_depth,
 /// node_types, cyclomatic), over all kinds and per kind.
-pub(crate) fn coverage(metrics: &[StepMetrics]) -> LineChart {
+pub(crate) fn coverage(metrics: &[MetricsLine]) -> LineChart {
     let kinds = kinds(metrics);
-    let program_kinds = kind_order(
-        metrics
-            .iter()
-            .flat_map(|m| m.programs.iter().filter_map(|p| p.kind.as_ref())),
-    );
-    let cumulative = |kind: Option<&String>| {
-        let matches = |p: &&ProgramMetrics| kind.is_none() || p.kind.as_ref() == kind;
+    let program_kinds: BTreeSet<TaskKind> = metrics
+        .iter()
+        .flat_map(|m| m.programs.iter().map(|p| p.kind))
+        .collect();
+    let cumulative = |kind: Option<TaskKind>| {
+        let matches = move |p: &&ProgramLine| kind.is_none_or(|k| p.kind == k);
         let sightings = metrics.iter().enumerate().flat_map(|(i, m)| {
             let programs = m.programs.iter().filter(matches);
-            programs.filter_map(move |p| p.signature().map(|(a, b, c, d)| (a, b, c, d, i)))
+            programs.map(move |p| {
+                let f = p.features;
+                (f.ast_nodes, f.max_depth, f.node_types, f.cyclomatic, i)
+            })
         });
         new_per_step(sightings.collect(), metrics.len())
             .into_iter()
@@ -153,9 +160,9 @@ pub(crate) fn coverage(metrics: &[StepMetrics]) -> LineChart {
         cumulative(None),
         Stroke::solid(BLACK, 2.6),
     )];
-    for kind in &program_kinds {
+    for kind in program_kinds {
         series.push(line(
-            kind,
+            kind.name(),
             cumulative(Some(kind)),
             kind_stroke(&kinds, kind),
         ));
@@ -175,7 +182,7 @@ pub(crate) fn coverage(metrics: &[StepMetrics]) -> LineChart {
 
 /// How many signatures are first seen at each step index, from
 /// (signature, step index) sightings.
-fn new_per_step(mut sightings: Vec<(u64, u64, u64, u64, usize)>, steps: usize) -> Vec<usize> {
+fn new_per_step(mut sightings: Vec<(u32, u32, u32, u32, usize)>, steps: usize) -> Vec<usize> {
     // Sorted by signature, then step: the first of each run is its first sighting.
     sightings.sort_unstable();
     sightings.dedup_by(|later, first| {
@@ -191,42 +198,34 @@ fn new_per_step(mut sightings: Vec<(u64, u64, u64, u64, usize)>, steps: usize) -
 }
 
 /// Mean reward per task kind, one panel per role (proposer, solver).
-pub(crate) fn rewards(metrics: &[StepMetrics]) -> LineChart {
+pub(crate) fn rewards(metrics: &[MetricsLine]) -> LineChart {
     let kinds = kinds(metrics);
-    let roles = distinct(
-        metrics
-            .iter()
-            .flat_map(|m| m.groups.iter().map(|g| g.role.as_str())),
-        |r| match r {
-            "proposer" => 0,
-            "solver" => 1,
-            _ => 2,
-        },
-    );
-    let panels = roles
+    let roles: BTreeSet<Role> = metrics
         .iter()
+        .flat_map(|m| m.groups.iter().map(|g| g.role))
+        .collect();
+    let panels = roles
+        .into_iter()
         .map(|role| {
-            let role_kinds = kind_order(
-                metrics
-                    .iter()
-                    .flat_map(|m| m.groups.iter().filter(|g| g.role == *role).map(|g| &g.kind)),
-            );
-            let series = role_kinds
+            let role_kinds: BTreeSet<TaskKind> = metrics
                 .iter()
+                .flat_map(|m| m.groups.iter().filter(|g| g.role == role).map(|g| g.kind))
+                .collect();
+            let series = role_kinds
+                .into_iter()
                 .map(|kind| {
                     let points = metrics
                         .iter()
                         .map(|m| {
-                            let groups = m
-                                .groups
-                                .iter()
-                                .filter(|g| g.role == *role && g.kind == *kind);
-                            (m.step as f64, mean(groups.filter_map(|g| g.reward_mean)))
+                            let groups =
+                                m.groups.iter().filter(|g| g.role == role && g.kind == kind);
+                            (m.step as f64, mean(groups.map(|g| g.reward_mean)))
                         })
                         .collect();
-                    line(kind, points, kind_stroke(&kinds, kind))
+                    line(kind.name(), points, kind_stroke(&kinds, kind))
                 })
                 .collect();
+            let role = role.name();
             Panel {
                 title: Some(format!("{role}s")),
                 y_label: format!("{role} mean reward"),
@@ -245,11 +244,11 @@ pub(crate) fn rewards(metrics: &[StepMetrics]) -> LineChart {
 
 /// The share of proposals that were valid, and the number of learnable
 /// problems (solved in some rollouts but not all), per step.
-pub(crate) fn proposals(metrics: &[StepMetrics]) -> LineChart {
+pub(crate) fn proposals(metrics: &[MetricsLine]) -> LineChart {
     let points = |f: fn(&ProposalCounts) -> Option<f64>| {
         metrics
             .iter()
-            .map(|m| (m.step as f64, m.proposals.as_ref().and_then(f)))
+            .map(|m| (m.step as f64, f(&m.proposals)))
             .collect()
     };
     let valid = |p: &ProposalCounts| (p.total > 0).then(|| p.valid as f64 / p.total as f64);
@@ -286,15 +285,15 @@ pub(crate) fn proposals(metrics: &[StepMetrics]) -> LineChart {
 /// TrueSkill rating per member: mean μ, one panel per role, and the
 /// uncertainty σ of every member (it starts at the prior and shrinks as a
 /// member's matches are rated).
-pub(crate) fn ratings(metrics: &[StepMetrics], history: &History) -> LineChart {
-    let members = member_roles(metrics, history);
+pub(crate) fn ratings(metrics: &[MetricsLine]) -> LineChart {
+    let members = member_roles(metrics);
     let roles = distinct(members.iter().map(|(_, role)| role.as_str()), role_rank);
     let series_of = |id: &str, colour: usize, value: fn(&Rating) -> f64| {
         let points = metrics
             .iter()
             .filter_map(|m| {
                 let member = m.members.iter().find(|x| x.id == id)?;
-                Some((m.step as f64, member.rating.as_ref().map(value)))
+                Some((m.step as f64, Some(value(&member.rating))))
             })
             .collect();
         line(id, points, nth_stroke(colour, 1.6))
@@ -332,8 +331,8 @@ pub(crate) fn ratings(metrics: &[StepMetrics], history: &History) -> LineChart {
 
 /// Fitness per member, one panel per role; lines start when a member first
 /// appears and end with × when it was culled or killed.
-pub(crate) fn fitness(metrics: &[StepMetrics], history: &History) -> LineChart {
-    let members = member_roles(metrics, history);
+pub(crate) fn fitness(metrics: &[MetricsLine], history: &History) -> LineChart {
+    let members = member_roles(metrics);
     let roles = distinct(members.iter().map(|(_, role)| role.as_str()), role_rank);
     let mut any_end = false;
     let mut colour = 0;
@@ -371,36 +370,26 @@ pub(crate) fn fitness(metrics: &[StepMetrics], history: &History) -> LineChart {
     }
 }
 
-/// Every member in the metrics with its role (from its first record, else the
-/// journal), ordered by role and then naturally by id.
-fn member_roles(metrics: &[StepMetrics], history: &History) -> Vec<(String, String)> {
-    let seen: Vec<(&str, Option<&str>)> = metrics
+/// Every member in the metrics with its role (from its first record),
+/// ordered by role and then naturally by id.
+fn member_roles(metrics: &[MetricsLine]) -> Vec<(String, String)> {
+    let seen: Vec<(String, String)> = metrics
         .iter()
         .flat_map(|m| m.members.iter())
-        .map(|m| (m.id.as_str(), m.role.as_deref()))
+        .map(|m| (m.id.clone(), m.role.clone()))
         .collect();
-    let mut members: Vec<(&str, Option<&str>)> = sorted(seen, |(id, _)| id_key(0, id));
+    let mut members = sorted(seen, |(id, _)| id_key(0, id));
     // Stable order: the first record of each id comes first and is kept.
     members.dedup_by(|later, first| later.0 == first.0);
-    let with_roles: Vec<(String, String)> = members
-        .into_iter()
-        .map(|(id, role)| {
-            let role = role
-                .map(str::to_string)
-                .or_else(|| history.life(id).map(|l| l.role.clone()))
-                .unwrap_or_else(|| "member".to_string());
-            (id.to_string(), role)
-        })
-        .collect();
-    sorted(with_roles, |(id, role)| id_key(role_rank(role), id))
+    sorted(members, |(id, role)| id_key(role_rank(role), id))
 }
 
-fn member_fitness(metrics: &[StepMetrics], history: &History, id: &str, stroke: Stroke) -> Series {
+fn member_fitness(metrics: &[MetricsLine], history: &History, id: &str, stroke: Stroke) -> Series {
     let present: Vec<(f64, Option<f64>)> = metrics
         .iter()
         .filter_map(|m| {
             let member = m.members.iter().find(|x| x.id == id)?;
-            Some((m.step as f64, member.fitness))
+            Some((m.step as f64, Some(member.fitness)))
         })
         .collect();
     let (name, end) = match history.life(id).and_then(|l| l.end) {

@@ -4,6 +4,7 @@
 
 use super::input::{list_steps, Event, RunData, JOURNAL_FILE, METRICS_FILE};
 use super::order::distinct_steps;
+use crate::run_files::Source;
 
 /// How a member left the population.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,18 +29,22 @@ pub(crate) struct Life {
 /// A fault event.
 #[derive(Debug, Clone)]
 pub(crate) struct Fault {
-    pub step: Option<u64>,
+    pub step: u64,
+    /// `None` when an actor other than a member died.
     pub member: Option<String>,
     pub message: String,
-    pub action: Option<String>,
+    pub action: String,
 }
 
 /// A control command.
 #[derive(Debug, Clone)]
 pub(crate) struct Control {
-    pub step: Option<u64>,
+    pub step: u64,
+    /// As `populora ctl` takes it, e.g. `kill student-1`.
     pub command: String,
-    pub source: Option<String>,
+    pub source: Source,
+    /// `applied`, or `refused: ` and why.
+    pub outcome: String,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -90,21 +95,23 @@ pub(crate) fn build(data: &RunData, warnings: &mut Vec<String>) -> History {
                 members,
             } => {
                 started = true;
-                h.seed = *seed;
-                h.scenario.clone_from(scenario);
+                h.seed = Some(*seed);
+                h.scenario = Some(scenario.clone());
                 for m in members {
-                    add_life(&mut h, &m.id, m.role.as_deref(), 0, true);
+                    add_life(&mut h, &m.id, Some(&m.role), 0, true);
                 }
             }
-            Event::Step { step } => journal_steps.push(*step),
+            Event::Step { step, .. } => journal_steps.push(*step),
             Event::Control {
                 step,
                 command,
                 source,
+                outcome,
             } => h.controls.push(Control {
                 step: *step,
-                command: command_text(command),
-                source: source.clone(),
+                command: command.to_string(),
+                source: *source,
+                outcome: outcome.clone(),
             }),
             Event::Spawn {
                 step,
@@ -112,8 +119,9 @@ pub(crate) fn build(data: &RunData, warnings: &mut Vec<String>) -> History {
                 role,
                 parents,
                 operators,
+                ..
             } => {
-                add_life(&mut h, id, role.as_deref(), *step, false);
+                add_life(&mut h, id, Some(role), *step, false);
                 if let Some(life) = h.lives.iter_mut().find(|l| l.id == *id) {
                     life.parents.clone_from(parents);
                     life.operators.clone_from(operators);
@@ -129,15 +137,15 @@ pub(crate) fn build(data: &RunData, warnings: &mut Vec<String>) -> History {
             } => h.faults.push(Fault {
                 step: *step,
                 member: member.clone(),
-                message: message.clone().unwrap_or_default(),
+                message: message.clone(),
                 action: action.clone(),
             }),
-            Event::Checkpoint { step } => h.checkpoints.extend(*step),
-            Event::End { step } => {
+            Event::Checkpoint { step } => h.checkpoints.push(*step),
+            Event::End { step, .. } => {
                 h.ended = true;
-                journal_steps.extend(*step);
+                journal_steps.push(*step);
             }
-            Event::Other => {}
+            Event::CheckpointSkipped { .. } | Event::Unknown => {}
         }
     }
     add_members_seen_only_in_metrics(&mut h, data);
@@ -193,7 +201,7 @@ fn add_members_seen_only_in_metrics(h: &mut History, data: &RunData) {
         for m in &record.members {
             if h.life(&m.id).is_none() {
                 let born = if index == 0 { 0 } else { record.step };
-                add_life(h, &m.id, m.role.as_deref(), born, true);
+                add_life(h, &m.id, Some(&m.role), born, true);
             }
         }
     }
@@ -233,26 +241,6 @@ fn warn_about_gaps(
     }
 }
 
-/// A control command as short text: `{"kill":"student-1"}` → `kill student-1`.
-fn command_text(command: &serde_json::Value) -> String {
-    match command {
-        serde_json::Value::Object(map) if map.len() == 1 => {
-            let (verb, arg) = map
-                .iter()
-                .next()
-                .map_or(("", &serde_json::Value::Null), |(k, v)| (k.as_str(), v));
-            match arg {
-                serde_json::Value::String(s) => format!("{verb} {s}"),
-                serde_json::Value::Null => verb.to_string(),
-                other => format!("{verb} {other}"),
-            }
-        }
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Null => "(none)".to_string(),
-        other => other.to_string(),
-    }
-}
-
 /// Mean of `values`, `None` when empty.
 pub(crate) fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
     let (sum, n) = values
@@ -271,18 +259,5 @@ mod tests {
         assert_eq!(mean([]), None);
         assert_eq!(mean([f64::NAN]), None);
         assert_eq!(mean([1.0, f64::INFINITY, 3.0]), Some(2.0));
-    }
-
-    #[test]
-    fn commands_read_as_text() {
-        assert_eq!(
-            command_text(&serde_json::json!({"kill": "student-1"})),
-            "kill student-1"
-        );
-        assert_eq!(command_text(&serde_json::json!({"pause": null})), "pause");
-        assert_eq!(
-            command_text(&serde_json::json!({"set": {"lr": 1}})),
-            "set {\"lr\":1}"
-        );
     }
 }

@@ -6,7 +6,7 @@ use std::fmt::Write;
 use std::path::Path;
 
 use super::history::{Fate, History};
-use super::input::{EvalResult, RunData, StepMetrics, EVAL_FILE};
+use super::input::{EvalResult, MetricsLine, RunData, EVAL_FILE};
 use super::order::{distinct, distinct_ids, rank_key, sorted};
 use super::svg::escape;
 
@@ -131,7 +131,7 @@ fn summary(out: &mut String, data: &RunData, history: &History) {
             history.checkpoints.len()
         ),
     ));
-    if let Some(wall) = super::history::mean(data.metrics.iter().filter_map(|m| m.wall_ms)) {
+    if let Some(wall) = super::history::mean(data.metrics.iter().map(|m| m.wall_ms)) {
         rows.push(("mean step time", format_ms(wall)));
     }
     out.push_str("<dl class=\"summary\">\n");
@@ -183,7 +183,7 @@ fn figure(out: &mut String, f: &FigureRef) {
 
 /// Mean milliseconds per phase over the steps that report it, in step-loop
 /// order and then alphabetically.
-fn phase_means(metrics: &[StepMetrics]) -> Vec<(String, f64)> {
+fn phase_means(metrics: &[MetricsLine]) -> Vec<(String, f64)> {
     let rank = |name: &str| {
         PHASES
             .iter()
@@ -201,13 +201,13 @@ fn phase_means(metrics: &[StepMetrics]) -> Vec<(String, f64)> {
         .filter_map(|name| {
             let values = metrics
                 .iter()
-                .filter_map(|m| m.phase_ms.get(&name).copied().flatten());
+                .filter_map(|m| m.phase_ms.get(&name).copied());
             super::history::mean(values).map(|v| (name, v))
         })
         .collect()
 }
 
-fn phase_table(out: &mut String, metrics: &[StepMetrics]) {
+fn phase_table(out: &mut String, metrics: &[MetricsLine]) {
     out.push_str("<h2>Time per step, by phase</h2>\n");
     let mut phases = phase_means(metrics);
     if phases.is_empty() {
@@ -215,7 +215,7 @@ fn phase_table(out: &mut String, metrics: &[StepMetrics]) {
         return;
     }
     let phase_sum: f64 = phases.iter().map(|(_, v)| v.max(0.0)).sum();
-    let wall = super::history::mean(metrics.iter().filter_map(|m| m.wall_ms)).unwrap_or(0.0);
+    let wall = super::history::mean(metrics.iter().map(|m| m.wall_ms)).unwrap_or(0.0);
     // Wall time the phases do not account for (barriers, journaling, …).
     if wall > phase_sum * 1.005 {
         phases.push(("other (wall − phases)".to_string(), wall - phase_sum));
@@ -308,42 +308,26 @@ fn eval_cell(r: &EvalResult) -> String {
     text
 }
 
-fn step_text(step: Option<u64>) -> String {
-    step.map_or("?".to_string(), |s| s.to_string())
-}
-
 fn events(out: &mut String, history: &History) {
     if history.controls.is_empty() && history.faults.is_empty() {
         return;
     }
     out.push_str("<h2>Control commands and faults</h2>\n<table>\n<tr><th>step</th><th>event</th><th>detail</th></tr>\n");
-    let mut rows: Vec<(Option<u64>, String, String)> = Vec::new();
+    let mut rows: Vec<(u64, String, String)> = Vec::new();
     for c in &history.controls {
-        let source = c
-            .source
-            .as_deref()
-            .map_or(String::new(), |s| format!(" (from {s})"));
-        rows.push((c.step, "control".into(), format!("{}{source}", c.command)));
+        let detail = format!("{} (from {}) → {}", c.command, c.source.name(), c.outcome);
+        rows.push((c.step, "control".into(), detail));
     }
     for f in &history.faults {
-        let who = f.member.as_deref().unwrap_or("?");
-        let action = f
-            .action
-            .as_deref()
-            .map_or(String::new(), |a| format!(" → {a}"));
-        rows.push((
-            f.step,
-            "fault".into(),
-            format!("{who}: {}{action}", f.message),
-        ));
+        // The runtime's message names the actor that died.
+        let detail = format!("{} → {}", f.message, f.action);
+        rows.push((f.step, "fault".into(), detail));
     }
-    // Events without a step go last.
-    let rows = sorted(rows, |(step, _, _)| rank_key(step.unwrap_or(u64::MAX)));
+    let rows = sorted(rows, |(step, _, _)| rank_key(*step));
     for (step, kind, detail) in rows.iter().take(EVENT_ROWS) {
         let _ = writeln!(
             out,
-            "<tr><td class=\"num\">{}</td><td>{kind}</td><td>{}</td></tr>",
-            step_text(*step),
+            "<tr><td class=\"num\">{step}</td><td>{kind}</td><td>{}</td></tr>",
             escape(detail)
         );
     }

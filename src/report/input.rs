@@ -1,15 +1,13 @@
-//! Reading a run directory: `metrics.jsonl`, `journal.jsonl` and the optional
-//! `eval.json`.
-//!
-//! Every field the plots do not strictly need is optional and unknown fields and
-//! unknown journal events are ignored, so older and newer runtimes stay readable.
+//! Reading a run directory: `metrics.jsonl` and `journal.jsonl` (their lines
+//! are [`crate::run_files`]'s types, which the runtime writes) and the optional
+//! `eval.json`. Unknown journal events ([`Event::Unknown`]) are kept and
+//! ignored, so a newer runtime's journal stays readable.
 //!
 //! Corrupt lines: a line that does not parse is an error naming the file and the
 //! line number, with one exception. A *last* line that does not parse and is not
 //! terminated by a newline is what `kill -9` leaves behind in the middle of a
 //! write: it is skipped with a warning. Blank lines are skipped.
 
-use std::collections::BTreeMap;
 use std::io::ErrorKind;
 use std::path::Path;
 
@@ -18,170 +16,9 @@ use serde::Deserialize;
 
 use super::order::{distinct_steps, rank_key, sorted};
 use super::ReportError;
+pub(crate) use crate::run_files::{Event, MetricsLine, JOURNAL_FILE, METRICS_FILE};
 
-/// File names inside a run directory.
-pub(crate) const METRICS_FILE: &str = "metrics.jsonl";
-pub(crate) const JOURNAL_FILE: &str = "journal.jsonl";
 pub(crate) const EVAL_FILE: &str = "eval.json";
-
-/// One line of `metrics.jsonl`: everything measured in one completed step.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct StepMetrics {
-    pub step: u64,
-    #[serde(default)]
-    pub wall_ms: Option<f64>,
-    #[serde(default)]
-    pub phase_ms: BTreeMap<String, Option<f64>>,
-    #[serde(default)]
-    pub members: Vec<MemberMetrics>,
-    #[serde(default)]
-    pub groups: Vec<GroupMetrics>,
-    #[serde(default)]
-    pub solve_rate: BTreeMap<String, Option<f64>>,
-    #[serde(default)]
-    pub programs: Vec<ProgramMetrics>,
-    #[serde(default)]
-    pub proposals: Option<ProposalCounts>,
-}
-
-/// How many problems were proposed in one step, valid, and learnable.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct ProposalCounts {
-    pub total: u64,
-    pub valid: u64,
-    /// Absent in runs written before the count existed.
-    #[serde(default)]
-    pub learnable: Option<u64>,
-}
-
-/// One member's numbers in one step.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct MemberMetrics {
-    pub id: String,
-    #[serde(default)]
-    pub role: Option<String>,
-    #[serde(default)]
-    pub fitness: Option<f64>,
-    #[serde(default)]
-    pub rating: Option<Rating>,
-}
-
-/// A member's TrueSkill rating after a step.
-#[derive(Debug, Clone, Copy, Deserialize)]
-pub(crate) struct Rating {
-    pub mu: f64,
-    pub sigma: f64,
-}
-
-/// Reward statistics of one (task kind × role) group in one step.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct GroupMetrics {
-    pub kind: String,
-    pub role: String,
-    #[serde(default)]
-    pub reward_mean: Option<f64>,
-}
-
-/// Complexity features of one valid proposed program.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct ProgramMetrics {
-    #[serde(default)]
-    pub author: Option<String>,
-    #[serde(default)]
-    pub kind: Option<String>,
-    #[serde(default)]
-    pub ast_nodes: Option<u64>,
-    #[serde(default)]
-    pub max_depth: Option<u64>,
-    #[serde(default)]
-    pub node_types: Option<u64>,
-    #[serde(default)]
-    pub cyclomatic: Option<u64>,
-}
-
-impl ProgramMetrics {
-    /// The coverage signature, when all four features are present.
-    pub fn signature(&self) -> Option<(u64, u64, u64, u64)> {
-        Some((
-            self.ast_nodes?,
-            self.max_depth?,
-            self.node_types?,
-            self.cyclomatic?,
-        ))
-    }
-}
-
-/// A member as listed by the `start` event.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct InitialMember {
-    pub id: String,
-    #[serde(default)]
-    pub role: Option<String>,
-}
-
-/// One line of `journal.jsonl`. Events this module does not know are kept as
-/// [`Event::Other`] and ignored.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub(crate) enum Event {
-    Start {
-        #[serde(default)]
-        seed: Option<u64>,
-        #[serde(default)]
-        scenario: Option<String>,
-        #[serde(default)]
-        members: Vec<InitialMember>,
-    },
-    Step {
-        step: u64,
-    },
-    Control {
-        #[serde(default)]
-        step: Option<u64>,
-        #[serde(default)]
-        command: serde_json::Value,
-        #[serde(default)]
-        source: Option<String>,
-    },
-    Spawn {
-        step: u64,
-        id: String,
-        #[serde(default)]
-        role: Option<String>,
-        #[serde(default)]
-        parents: Vec<String>,
-        #[serde(default)]
-        operators: Vec<String>,
-    },
-    Cull {
-        step: u64,
-        id: String,
-    },
-    Kill {
-        step: u64,
-        id: String,
-    },
-    Fault {
-        #[serde(default)]
-        step: Option<u64>,
-        #[serde(default)]
-        member: Option<String>,
-        #[serde(default)]
-        message: Option<String>,
-        #[serde(default)]
-        action: Option<String>,
-    },
-    Checkpoint {
-        #[serde(default)]
-        step: Option<u64>,
-    },
-    End {
-        #[serde(default)]
-        step: Option<u64>,
-    },
-    #[serde(other)]
-    Other,
-}
 
 /// One row of `eval.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -202,7 +39,7 @@ pub(crate) struct EvalResult {
 #[derive(Debug, Default)]
 pub(crate) struct RunData {
     /// Sorted by step, one record per step (the last one when a step repeats).
-    pub metrics: Vec<StepMetrics>,
+    pub metrics: Vec<MetricsLine>,
     pub events: Vec<Event>,
     /// `None` when `eval.json` is absent.
     pub eval: Option<Vec<EvalResult>>,
@@ -223,7 +60,7 @@ pub(crate) fn read_run(run_dir: &Path) -> Result<RunData, ReportError> {
     let metrics_path = run_dir.join(METRICS_FILE);
     if let Some(text) = read_optional(&metrics_path)? {
         data.has_metrics_file = true;
-        let records = parse_lines::<StepMetrics>(&metrics_path, &text, &mut data.warnings)?;
+        let records = parse_lines::<MetricsLine>(&metrics_path, &text, &mut data.warnings)?;
         data.metrics = dedup_steps(records, &mut data.warnings);
     } else {
         data.warnings.push(format!(
@@ -294,8 +131,8 @@ fn parse_lines<T: DeserializeOwned>(
 
 /// Sorts by step and keeps the last record of a repeated step (a resumed run
 /// may write a step again).
-fn dedup_steps(records: Vec<StepMetrics>, warnings: &mut Vec<String>) -> Vec<StepMetrics> {
-    let mut out: Vec<StepMetrics> = Vec::with_capacity(records.len());
+fn dedup_steps(records: Vec<MetricsLine>, warnings: &mut Vec<String>) -> Vec<MetricsLine> {
+    let mut out: Vec<MetricsLine> = Vec::with_capacity(records.len());
     let mut repeated = Vec::new();
     for record in sorted(records, |r| rank_key(r.step)) {
         match out.last_mut() {

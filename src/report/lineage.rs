@@ -227,7 +227,7 @@ fn draw_life(
 
 fn draw_faults(scene: &mut Scene, history: &History, rows: &Rows<'_>, x: &impl Fn(f64) -> f32) {
     for fault in &history.faults {
-        let (Some(step), Some(member)) = (fault.step, fault.member.as_deref()) else {
+        let (step, Some(member)) = (fault.step, fault.member.as_deref()) else {
             continue;
         };
         if let Some(y) = rows.y(member) {

@@ -186,7 +186,7 @@ fn scenes(
         ),
         (
             "ratings",
-            chart::render(&figures::ratings(m, history)),
+            chart::render(&figures::ratings(m)),
             "TrueSkill rating of every member: the mean μ by role (a teacher wins a match when the student fails), and the uncertainty σ, which starts at the prior (8.33) and shrinks as a member's matches are rated.",
         ),
         (

@@ -1,5 +1,6 @@
 //! Deterministic ordering: natural id order (`student-2` before `student-10`),
-//! role and task-kind order, distinct values.
+//! role order, distinct values (task kinds and self-play roles sort as their
+//! enums do).
 //!
 //! Everything the report sorts goes through [`sorted`], which sorts
 //! `(SortKey, index)` pairs, and sets are sorted, deduplicated vectors. One
@@ -71,21 +72,6 @@ pub(crate) fn role_rank(role: &str) -> u64 {
     }
 }
 
-/// Task kinds in AZR order, then anything else.
-pub(crate) fn kind_rank(kind: &str) -> u64 {
-    match kind {
-        "deduction" => 0,
-        "abduction" => 1,
-        "induction" => 2,
-        _ => 3,
-    }
-}
-
-/// Distinct task kinds in display order.
-pub(crate) fn kind_order<'a>(kinds: impl IntoIterator<Item = &'a String>) -> Vec<String> {
-    distinct(kinds.into_iter().map(String::as_str), kind_rank)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,13 +106,15 @@ mod tests {
     }
 
     #[test]
-    fn kinds_keep_azr_order() {
-        let kinds: Vec<String> = ["induction", "zeta", "deduction", "abduction", "zeta"]
-            .map(String::from)
-            .into();
-        assert_eq!(
-            kind_order(&kinds),
-            ["deduction", "abduction", "induction", "zeta"]
-        );
+    fn task_kinds_sort_in_azr_order() {
+        // The figures order kinds by TaskKind's Ord.
+        use crate::task::TaskKind;
+        let mut kinds = vec![
+            TaskKind::Induction,
+            TaskKind::Deduction,
+            TaskKind::Abduction,
+        ];
+        kinds.sort();
+        assert_eq!(kinds, TaskKind::ALL);
     }
 }

@@ -1,9 +1,7 @@
-//! What one step measured: the per-step line of `metrics.jsonl` (the runtime
-//! adds member names, ratings and fitness).
+//! What one step measured, by member id (the runtime turns it into a line of
+//! `metrics.jsonl`, [`crate::run_files::MetricsLine`]).
 
 use std::collections::BTreeMap;
-
-use serde::{Deserialize, Serialize};
 
 use super::{
     Episode, MemberId, Problem, ProposalResult, Settings, SolveResult, TrainBatch, Verdict,
@@ -11,50 +9,21 @@ use super::{
 use crate::base::ModelConfig;
 use crate::compute::Cost;
 use crate::rl::reward::solve_rate;
-use crate::task::{Role, TaskKind};
+use crate::run_files::{GroupMetrics, ProposalCounts, TokenMetrics};
+use crate::task::TaskKind;
+use crate::verify::Features;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GroupMetrics {
-    pub kind: TaskKind,
-    pub role: Role,
-    pub count: usize,
-    pub reward_mean: f64,
-    pub reward_std: f64,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ProposalCounts {
-    pub total: usize,
-    pub valid: usize,
-    /// Valid proposals that their solvers solved in some rollouts but not in
-    /// all (0 < acc < 1): the problems a proposer is rewarded for.
-    #[serde(default)]
-    pub learnable: usize,
-    /// Rejections by reason: `format.<code>` or the sandbox status name.
-    pub rejected: BTreeMap<String, usize>,
-}
-
-/// A valid program's complexity (for the dynamics plots).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A valid program's complexity, by its author's id.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ProgramMetrics {
     pub author: MemberId,
     pub kind: TaskKind,
-    pub ast_nodes: u32,
-    pub max_depth: u32,
-    pub node_types: u32,
-    pub cyclomatic: u32,
+    pub features: Features,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct TokenMetrics {
-    pub prompt_mean: f64,
-    pub prompt_max: usize,
-    pub response_mean: f64,
-    /// Fraction of responses cut off by `max_new_tokens`.
-    pub truncated: f64,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// The step's measurements by member id; the runtime writes them, with names
+/// and each member's fitness and rating, as a [`crate::run_files::MetricsLine`].
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepMetrics {
     pub step: u64,
     /// Wall time per phase: propose, validate, solve, score, train.
@@ -74,7 +43,6 @@ pub struct StepMetrics {
     /// Gradient norm before clipping, per member.
     pub grad_norm: BTreeMap<MemberId, f64>,
     /// The step's compute: its generated and trained rows ([`Cost`]).
-    #[serde(default)]
     pub compute: Cost,
 }
 
@@ -99,14 +67,11 @@ impl StepMetrics {
             match (&p.verdict, p.verdict.rejection()) {
                 (Verdict::Valid { features, .. }, _) => {
                     counts.valid += 1;
-                    if let Some(f) = features {
+                    if let Some(features) = *features {
                         programs.push(ProgramMetrics {
                             author: p.job.author,
                             kind: p.job.kind,
-                            ast_nodes: f.ast_nodes,
-                            max_depth: f.max_depth,
-                            node_types: f.node_types,
-                            cyclomatic: f.cyclomatic,
+                            features,
                         });
                     }
                 }
@@ -114,7 +79,7 @@ impl StepMetrics {
                 (_, None) => {}
             }
         }
-        counts.learnable = learnable(problems, solves);
+        counts.learnable = Some(learnable(problems, solves));
         let solve_kinds: Vec<TaskKind> = solves
             .iter()
             .map(|s| problems[s.job.problem].task.kind())

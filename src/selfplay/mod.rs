@@ -24,9 +24,7 @@ mod step;
 
 pub use grammars::{GrammarError, Grammars};
 pub use learn::{apply_update, episodes, train_rows, Episode, TrainBatch};
-pub use metrics::{
-    step_cost, GroupMetrics, ProgramMetrics, ProposalCounts, StepMetrics, TokenMetrics,
-};
+pub use metrics::{step_cost, ProgramMetrics, StepMetrics};
 pub use propose::{
     accept, judge_proposals, proposal_jobs, AcceptedTask, ProposalJob, ProposalResult, Verdict,
 };

@@ -25,11 +25,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use populora::compute::Cost;
 use populora::eval::compare::{compare, BenchmarkComparison};
 use populora::eval::ItemRecord;
 use populora::keyed_stream;
 use populora::report::experiment::{compute_gap, ExperimentSummary, RunTotals};
+use populora::run_files::MetricsLine;
 use populora::scenario::experiment::{Experiment, LoadedExperiment, MATCH_TOLERANCE};
 use populora::scenario::{check_operator, Scenario};
 use populora::verify::{SandboxConfig, VerifierPool};
@@ -141,17 +141,17 @@ fn totals(dir: &Path) -> anyhow::Result<RunTotals> {
         .rev()
         .find(|l| !l.trim().is_empty())
         .with_context(|| format!("{} has no steps", path.display()))?;
-    let line: serde_json::Value = serde_json::from_str(last)?;
-    let compute: Cost =
-        serde_json::from_value(line["compute_total"].clone()).with_context(|| {
-            format!(
-                "{}: no compute_total (a run from before compute was counted)",
-                path.display()
-            )
-        })?;
+    let line: MetricsLine = serde_json::from_str(last)
+        .with_context(|| format!("{}: the last line is not a metrics line", path.display()))?;
+    let compute = line.compute_total.with_context(|| {
+        format!(
+            "{}: no compute_total (a run from before compute was counted)",
+            path.display()
+        )
+    })?;
     Ok(RunTotals {
         dir: dir.to_path_buf(),
-        steps: line["step"].as_u64().unwrap_or(0),
+        steps: line.step,
         compute,
     })
 }

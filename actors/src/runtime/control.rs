@@ -11,42 +11,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use populora::scenario::{check_operator, parse_member_id, Role};
+use populora::scenario::{check_operator, parse_member_id};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
 use super::journal::MemberEntry;
+/// The socket's command line is the journal's: the engine's schema.
+pub use populora::run_files::Command;
 
 /// Longest accepted command line.
 const MAX_LINE: usize = 64 << 10;
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "cmd", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Command {
-    Status,
-    Kill {
-        member: String,
-    },
-    Inject {
-        role: Role,
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        from: Vec<String>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        op: Option<String>,
-    },
-    Pause,
-    Resume,
-    Stop,
-}
-
-impl Command {
-    /// Kill and inject change results: replay and resume re-apply them.
-    pub fn changes_results(&self) -> bool {
-        matches!(self, Command::Kill { .. } | Command::Inject { .. })
-    }
-}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reply {

@@ -284,7 +284,7 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
     let before = state.args.league.clone();
     let snapshots = snapshot_all(state)
         .await
-        .map_err(|d| anyhow::anyhow!(d.0))?;
+        .map_err(|d| anyhow::anyhow!(d.message))?;
     loop {
         match attempt(state, s, &commands).await {
             Ok(outcome) => {
@@ -312,17 +312,17 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
                 };
                 state.args.journal.append(&Event::Fault {
                     step: s,
-                    member: "member".into(),
-                    message: died.0.clone(),
+                    member: died.member.clone(),
+                    message: died.message.clone(),
                     action: action.into(),
                 })?;
-                eprintln!("step {s}: {}; {action}", died.0);
+                eprintln!("step {s}: {}; {action}", died.message);
                 if give_up {
                     checkpoint(state).await?;
                     anyhow::bail!(
                         "more than {MAX_RESTARTS} restarts within {}s ({}); stopped after step {} with a checkpoint — `populora resume` continues",
                         RESTART_WINDOW.as_secs(),
-                        died.0,
+                        died.message,
                         s - 1
                     );
                 }
@@ -403,10 +403,8 @@ async fn snapshot_all(state: &State) -> Result<BTreeMap<MemberId, Learner>, Died
         let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
             .await?
             .map_err(|e| {
-                Died(format!(
-                    "{}: snapshot failed: {e}",
-                    state.args.league.name(id)
-                ))
+                let name = state.args.league.name(id);
+                Died::member(&name, format!("{name}: snapshot failed: {e}"))
             })?;
         out.insert(id, learner);
     }
@@ -578,7 +576,7 @@ async fn update_all(
         let actor = state
             .members
             .get(&id)
-            .ok_or_else(|| Died(format!("{name} has no actor")))?;
+            .ok_or_else(|| Died::member(&name, format!("{name} has no actor")))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         actor
             .send_message(MemberMsg::Update {
@@ -586,7 +584,7 @@ async fn update_all(
                 grads,
                 reply: tx.into(),
             })
-            .map_err(|_| Died(format!("{name} is not running")))?;
+            .map_err(|_| Died::member(&name, format!("{name} is not running")))?;
         pending.spawn(async move { (id, name, rx.await) });
     }
     let mut out = BTreeMap::new();
@@ -598,9 +596,8 @@ async fn update_all(
             }
             Ok(Err(e)) => return Err(StepError::Fatal(e.context(format!("{name}'s update")))),
             Err(_) => {
-                return Err(StepError::Died(Died(format!(
-                    "{name} died in step {step}'s update"
-                ))))
+                let died = Died::member(&name, format!("{name} died in step {step}'s update"));
+                return Err(StepError::Died(died));
             }
         }
     }
@@ -700,10 +697,13 @@ async fn contenders(state: &State, part: Part) -> StepResult<Vec<Contender>> {
     let mut out = Vec::new();
     for id in league.ids(|m| m.part == part) {
         let actor = &state.members[&id];
-        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply }).await??;
+        let name = league.name(id);
+        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
+            .await
+            .map_err(|d| d.of_member(&name))??;
         out.push(Contender {
             id,
-            name: league.name(id),
+            name,
             subpop: league.members[&id].subpop,
             fitness: league.fitness(id, evolution.fitness, evolution.fitness_window),
             learner,
@@ -894,7 +894,7 @@ async fn checkpoint(state: &mut State) -> anyhow::Result<()> {
                 reply,
             })
             .await
-            .map_err(|d| anyhow::anyhow!(d.0))??;
+            .map_err(|d| anyhow::anyhow!(d.message))??;
         }
     }
     // members/ holds the live population only; the dead stay in older checkpoints.

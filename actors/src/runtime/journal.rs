@@ -1,92 +1,16 @@
-//! The journal: one JSON event per line, appended and flushed as it happens.
-//! Step, control, evolution and fault events; `step` events carry every
-//! member's adapter checksum, which replay and resume compare bit for bit.
+//! Writing and reading the run's JSON-lines logs: the journal (one event per
+//! line, appended and flushed as it happens) and the metrics. Their line
+//! types are the engine's [`populora::run_files`]; the journal's are
+//! re-exported here.
 
-use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use super::control::Command;
-
-/// A member as the journal names it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MemberEntry {
-    pub id: String,
-    pub role: String,
-    pub subpop: usize,
-}
-
-/// Where a control command came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Source {
-    /// The scenario's `[[events]]`.
-    Scenario,
-    /// `populora ctl` over the control socket.
-    Ctl,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum Event {
-    Start {
-        seed: u64,
-        scenario: String,
-        members: Vec<MemberEntry>,
-    },
-    /// A command applied (or refused) at the start of `step`.
-    Control {
-        step: u64,
-        command: Command,
-        source: Source,
-        outcome: String,
-    },
-    Kill {
-        step: u64,
-        id: String,
-    },
-    Spawn {
-        step: u64,
-        id: String,
-        role: String,
-        subpop: usize,
-        parents: Vec<String>,
-        operators: Vec<String>,
-    },
-    Cull {
-        step: u64,
-        id: String,
-        fitness: f64,
-    },
-    Fault {
-        step: u64,
-        member: String,
-        message: String,
-        action: String,
-    },
-    Step {
-        step: u64,
-        checksums: BTreeMap<String, String>,
-    },
-    Checkpoint {
-        step: u64,
-    },
-    /// On resume: the checkpoint of `step` did not load (`reason`), so it was
-    /// moved to `moved_to` and the run resumed from an older one.
-    CheckpointSkipped {
-        step: u64,
-        reason: String,
-        moved_to: String,
-    },
-    End {
-        step: u64,
-        checksums: BTreeMap<String, String>,
-    },
-}
+pub use populora::run_files::{Event, MemberEntry, Source};
 
 /// An append-only JSON-lines file (the journal and the metrics).
 pub struct Log {
@@ -141,7 +65,9 @@ fn truncate_lines(path: &Path, keep: usize) -> anyhow::Result<usize> {
 }
 
 /// Every event of a journal. A truncated last line (what `kill -9` can leave)
-/// is dropped; any other bad line is an error naming the file and line.
+/// is dropped; any other bad line, and an event this version does not know
+/// (replay and resume would misread the run), is an error naming the file
+/// and line.
 pub fn read(path: &Path) -> anyhow::Result<Vec<Event>> {
     let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let lines: Vec<String> = BufReader::new(file)
@@ -154,6 +80,11 @@ pub fn read(path: &Path) -> anyhow::Result<Vec<Event>> {
             continue;
         }
         match serde_json::from_str(line) {
+            Ok(Event::Unknown) => bail!(
+                "{}:{}: an event this version of populora does not know",
+                path.display(),
+                i + 1
+            ),
             Ok(event) => events.push(event),
             Err(_) if i + 1 == lines.len() => break,
             Err(e) => bail!("{}:{}: not a journal event: {e}", path.display(), i + 1),

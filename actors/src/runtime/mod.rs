@@ -36,7 +36,34 @@ use ractor::{ActorRef, Message, MessagingErr, RpcReplyPort};
 
 /// An actor died (or stopped) before answering: the supervisor's business.
 #[derive(Debug)]
-pub struct Died(pub String);
+pub struct Died {
+    /// What happened, naming the actor.
+    pub message: String,
+    /// The member that died (journaled with the fault); `None` for another actor.
+    pub member: Option<String>,
+}
+
+impl Died {
+    pub fn actor(message: String) -> Died {
+        Died {
+            message,
+            member: None,
+        }
+    }
+
+    /// Member `name` died; `message` names it.
+    pub fn member(name: &str, message: String) -> Died {
+        Died {
+            message,
+            member: Some(name.to_string()),
+        }
+    }
+
+    /// The actor [`ask`] lost was member `name` (ask knows only the actor).
+    pub fn of_member(self, name: &str) -> Died {
+        Died::member(name, format!("{name}: {}", self.message))
+    }
+}
 
 /// `call` an actor and wait for its answer without a timeout; a dead actor
 /// becomes [`Died`] rather than a panic.
@@ -47,12 +74,14 @@ pub async fn ask<M: Message, T: Send + 'static>(
     use ractor::rpc::CallResult;
     match actor.call(msg, None).await {
         Ok(CallResult::Success(v)) => Ok(v),
-        Ok(CallResult::Timeout) => Err(Died(format!("{} timed out", name_of(actor)))),
-        Ok(CallResult::SenderError) => Err(Died(format!("{} dropped the reply", name_of(actor)))),
-        Err(MessagingErr::SendErr(_)) | Err(MessagingErr::ChannelClosed) => {
-            Err(Died(format!("{} is not running", name_of(actor))))
+        Ok(CallResult::Timeout) => Err(Died::actor(format!("{} timed out", name_of(actor)))),
+        Ok(CallResult::SenderError) => {
+            Err(Died::actor(format!("{} dropped the reply", name_of(actor))))
         }
-        Err(e) => Err(Died(format!("{}: {e}", name_of(actor)))),
+        Err(MessagingErr::SendErr(_)) | Err(MessagingErr::ChannelClosed) => {
+            Err(Died::actor(format!("{} is not running", name_of(actor))))
+        }
+        Err(e) => Err(Died::actor(format!("{}: {e}", name_of(actor)))),
     }
 }
 

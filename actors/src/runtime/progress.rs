@@ -3,7 +3,7 @@
 
 use std::io::{IsTerminal, Write};
 
-use super::metrics::Line;
+use populora::run_files::MetricsLine;
 
 /// The live line: only on a terminal, overwritten in place.
 pub fn phase(step: u64, steps: u64, phase: &str, step_seconds: &[f64]) {
@@ -38,7 +38,7 @@ pub fn phase(step: u64, steps: u64, phase: &str, step_seconds: &[f64]) {
 }
 
 /// One line per finished step.
-pub fn summary(line: &Line, steps: u64) {
+pub fn summary(line: &MetricsLine, steps: u64) {
     if std::io::stderr().is_terminal() {
         eprint!("\r{}\r", " ".repeat(72));
     }
@@ -57,7 +57,7 @@ pub fn summary(line: &Line, steps: u64) {
         steps,
         line.proposals.valid,
         line.proposals.total,
-        line.proposals.learnable,
+        line.proposals.learnable.unwrap_or(0),
         rates.join(", "),
         line.tokens.response_mean,
         line.wall_ms / 1e3,

@@ -223,7 +223,7 @@ pub fn replay(root: &Path) -> anyhow::Result<Summary> {
         live_commands(&recorded, |_| true),
         Some(end),
     )?;
-    let replayed = journal::read(&out.join("journal.jsonl"))?;
+    let replayed = journal::read(&RunDir::new(&out).journal())?;
     compare(&recorded, &replayed)?;
     Ok(summary)
 }

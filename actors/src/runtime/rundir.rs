@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use populora::run_files::{JOURNAL_FILE, METRICS_FILE};
 
 #[derive(Debug, Clone)]
 pub struct RunDir {
@@ -37,10 +38,10 @@ impl RunDir {
         self.root.join("scenario.toml")
     }
     pub fn journal(&self) -> PathBuf {
-        self.root.join("journal.jsonl")
+        self.root.join(JOURNAL_FILE)
     }
     pub fn metrics(&self) -> PathBuf {
-        self.root.join("metrics.jsonl")
+        self.root.join(METRICS_FILE)
     }
     pub fn socket(&self) -> PathBuf {
         self.root.join("control.sock")

@@ -1,0 +1,99 @@
+//! One line of `metrics.jsonl`: what a step measured, members by name.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::compute::Cost;
+use crate::rating::Rating;
+use crate::task::{Role, TaskKind};
+use crate::verify::Features;
+
+/// Everything measured in one completed step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MetricsLine {
+    pub step: u64,
+    /// Wall time of the step, retries included.
+    pub wall_ms: f64,
+    /// Wall time per phase (propose, validate, solve, score, train, ...) and
+    /// `compute`, the model's share of it.
+    pub phase_ms: BTreeMap<String, f64>,
+    /// Every member alive after the step, in id order.
+    pub members: Vec<MemberLine>,
+    pub groups: Vec<GroupMetrics>,
+    pub proposals: ProposalCounts,
+    /// Solver rollouts judged correct, per task kind (`None`: no rollouts).
+    pub solve_rate: BTreeMap<TaskKind, Option<f64>>,
+    /// Solver rollouts that could not be parsed, per task kind.
+    pub solver_format_errors: BTreeMap<TaskKind, Option<f64>>,
+    /// Every valid proposed program.
+    pub programs: Vec<ProgramLine>,
+    pub tokens: TokenMetrics,
+    /// The step's compute ([`Cost`]); `None` in runs from before compute
+    /// was counted.
+    #[serde(default)]
+    pub compute: Option<Cost>,
+    /// The run's compute so far; `None` as for `compute`.
+    #[serde(default)]
+    pub compute_total: Option<Cost>,
+}
+
+/// One member's numbers after a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberLine {
+    pub id: String,
+    /// `teacher`, `student` or `solo`.
+    pub role: String,
+    pub subpop: usize,
+    /// Mean reward of its episodes this step (`None`: it had none).
+    pub reward_mean: Option<f64>,
+    pub fitness: f64,
+    pub rating: Rating,
+    /// Gradient norm before clipping (`None`: it did not train this step).
+    pub grad_norm: Option<f64>,
+    /// Tokens it trained on (`None`: it did not train this step).
+    pub train_tokens: Option<usize>,
+}
+
+/// Reward statistics of one (task kind × role) group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupMetrics {
+    pub kind: TaskKind,
+    pub role: Role,
+    pub count: usize,
+    pub reward_mean: f64,
+    pub reward_std: f64,
+}
+
+/// How the step's proposals fared.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProposalCounts {
+    pub total: usize,
+    pub valid: usize,
+    /// Valid proposals that their solvers solved in some rollouts but not in
+    /// all (0 < acc < 1): the problems a proposer is rewarded for. `None` in
+    /// runs from before the count existed.
+    #[serde(default)]
+    pub learnable: Option<usize>,
+    /// Rejections by reason: `format.<code>` or the sandbox status name.
+    pub rejected: BTreeMap<String, usize>,
+}
+
+/// A valid proposed program's complexity (for the dynamics plots).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgramLine {
+    pub author: String,
+    pub kind: TaskKind,
+    #[serde(flatten)]
+    pub features: Features,
+}
+
+/// Prompt and response lengths, in tokens.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenMetrics {
+    pub prompt_mean: f64,
+    pub prompt_max: usize,
+    pub response_mean: f64,
+    /// Fraction of responses cut off by `max_new_tokens`.
+    pub truncated: f64,
+}
