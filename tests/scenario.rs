@@ -4,7 +4,7 @@ use populora::base::Target;
 use populora::scenario::experiment::Experiment;
 use populora::scenario::{
     parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource, Role, Scenario,
-    ScenarioError, TaskKind, TinyModelConfig, WeightedOperator,
+    ScenarioError, TaskKind, TinyModelSection, WeightedOperator,
 };
 use std::path::Path;
 
@@ -198,6 +198,9 @@ const CASES: &[Case] = &[
     ("inject parent of the other role",
      "seed = 1\nsteps = 4\n[[events]]\nat = 1\ninject = { role = \"teacher\", from = [\"teacher-0\", \"student-0\"] }\n",
      Some("events[0].inject.from[1]"), 5, "is not a teacher id"),
+    ("inject a solo member",
+     "seed = 1\nsteps = 4\n[[events]]\nat = 1\ninject = { role = \"solo\" }\n",
+     Some("events[0].inject.role"), 5, "cannot be injected"),
     ("inject with unknown operator", "seed = 1\nsteps = 4\n[[events]]\nat = 1\n[events.inject]\nrole = \"student\"\nop = \"bogus\"\n",
      Some("events[0].inject.op"), 7, "unknown operator `bogus`"),
     ("inject unknown role", "seed = 1\nsteps = 4\n[[events]]\nat = 1\ninject = { role = \"coach\" }\n",
@@ -319,7 +322,7 @@ fn resolved_defaults_depend_on_other_keys() {
     let tiny =
         parse("seed = 1\nsteps = 2\nmodel.source = \"tiny\"\nselfplay.max_prompt_tokens = 128\nselfplay.max_new_tokens = 384\n")
             .unwrap();
-    assert_eq!(tiny.model.tiny, Some(TinyModelConfig::default()));
+    assert_eq!(tiny.model.tiny, Some(TinyModelSection::default()));
 
     let solo = parse("name = \"b\"\nseed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n").unwrap();
     assert_eq!(solo.name, "b");

@@ -1,7 +1,7 @@
 //! What each part of the engine takes from a scenario: the one place where
 //! scenario sections become the engine's own settings types.
 
-use super::{Scenario, TinyModelConfig};
+use super::{Scenario, TinyModelSection};
 use crate::base::tiny::TinySpec;
 use crate::base::Arch;
 use crate::lora::AdamWConfig;
@@ -44,7 +44,7 @@ impl Scenario {
     }
 }
 
-impl TinyModelConfig {
+impl TinyModelSection {
     /// The random model `[model.tiny]` describes.
     pub fn spec(&self) -> TinySpec {
         TinySpec {

@@ -49,31 +49,31 @@ pub struct Scenario {
     pub budget_tflop: Option<f64>,
     /// The frozen base model.
     #[serde(default)]
-    pub model: ModelConfig,
+    pub model: ModelSection,
     /// Shape of every member's LoRA adapter.
     #[serde(default)]
-    pub lora: LoraConfig,
+    pub lora: LoraSection,
     /// Who plays: a population of teachers and students, or one solo member.
     #[serde(default, serialize_with = "serialize_population")]
-    pub population: PopulationConfig,
+    pub population: PopulationSection,
     /// Problem proposal and solving (AZR).
     #[serde(default)]
-    pub selfplay: SelfPlayConfig,
+    pub selfplay: SelfPlaySection,
     /// Format rewards (AZR's composite).
     #[serde(default)]
-    pub rewards: RewardConfig,
+    pub rewards: RewardsSection,
     /// AdamW and PPO-clip settings.
     #[serde(default)]
-    pub training: TrainingConfig,
+    pub training: TrainingSection,
     /// Population-based training: cull and spawn.
     #[serde(default)]
-    pub evolution: EvolutionConfig,
+    pub evolution: EvolutionSection,
     /// The Python sandbox.
     #[serde(default)]
-    pub verifier: VerifierConfig,
+    pub verifier: VerifierSection,
     /// Checkpoint cadence.
     #[serde(default)]
-    pub checkpoint: CheckpointConfig,
+    pub checkpoint: CheckpointSection,
     /// Scripted live events, in file order. Default: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<ScriptedEvent>,
@@ -84,22 +84,22 @@ pub struct Scenario {
 /// `[model]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ModelConfig {
+pub struct ModelSection {
     /// Which base model. Default: `"default"` (the fetched SmolLM2-135M-Instruct GGUF).
     pub source: ModelSource,
     /// The random tiny model's shape; only allowed with `source = "tiny"`, where it
     /// resolves to `Some` (defaults filled in). Default: None.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub tiny: Option<TinyModelConfig>,
+    pub tiny: Option<TinyModelSection>,
     /// Where generation and scoring run: `"cpu"`, `"cuda"` or `"cuda:N"` (a build
     /// with the `cuda` feature). The train step runs on the CPU whatever this
     /// says (its backward has no GPU path yet). Default: `"cpu"`.
     pub device: String,
 }
 
-impl Default for ModelConfig {
+impl Default for ModelSection {
     fn default() -> Self {
-        ModelConfig {
+        ModelSection {
             source: ModelSource::Default,
             tiny: None,
             device: "cpu".into(),
@@ -149,7 +149,7 @@ impl From<ModelSource> for String {
 /// Rules: `hidden % heads == 0`, `heads % kv_heads == 0`, `hidden / heads` even (RoPE).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct TinyModelConfig {
+pub struct TinyModelSection {
     /// Transformer blocks. Default: 2.
     pub layers: usize,
     /// Hidden size. Default: 32.
@@ -166,9 +166,9 @@ pub struct TinyModelConfig {
     pub seed: u64,
 }
 
-impl Default for TinyModelConfig {
+impl Default for TinyModelSection {
     fn default() -> Self {
-        TinyModelConfig {
+        TinyModelSection {
             layers: 2,
             hidden: 32,
             heads: 4,
@@ -185,7 +185,7 @@ impl Default for TinyModelConfig {
 /// `[lora]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct LoraConfig {
+pub struct LoraSection {
     /// Adapter rank r, 1..=256. Default: 8.
     pub rank: usize,
     /// Scale numerator: ΔW = (alpha / r) · B·A (or alpha / √r with rslora), > 0. Default: 16.0.
@@ -196,9 +196,9 @@ pub struct LoraConfig {
     pub targets: Vec<Target>,
 }
 
-impl Default for LoraConfig {
+impl Default for LoraSection {
     fn default() -> Self {
-        LoraConfig {
+        LoraSection {
             rank: 8,
             alpha: 16.0,
             rslora: false,
@@ -213,7 +213,7 @@ impl Default for LoraConfig {
 /// (one member, `solo-0`, that is the one teacher and the one student).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct PopulationConfig {
+pub struct PopulationSection {
     /// `"population"` or `"solo"` (single-agent baseline). Default: "population".
     pub mode: Mode,
     /// Teachers (proposers), >= subpopulations. Default: 2.
@@ -228,9 +228,9 @@ pub struct PopulationConfig {
     pub students_per_teacher: usize,
 }
 
-impl Default for PopulationConfig {
+impl Default for PopulationSection {
     fn default() -> Self {
-        PopulationConfig {
+        PopulationSection {
             mode: Mode::Population,
             teachers: 2,
             students: 2,
@@ -252,7 +252,7 @@ pub enum Mode {
 
 /// In solo mode the population keys must not be given, so the resolved copy omits them.
 fn serialize_population<S: Serializer>(
-    population: &PopulationConfig,
+    population: &PopulationSection,
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
     #[derive(Serialize)]
@@ -270,7 +270,7 @@ fn serialize_population<S: Serializer>(
 /// `[selfplay]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct SelfPlayConfig {
+pub struct SelfPlaySection {
     /// Task kinds played each step; non-empty, no duplicates. Default: all three.
     pub task_kinds: Vec<TaskKind>,
     /// K reference triplets from the task buffer in each proposer prompt, 0..=32. Default: 6.
@@ -305,9 +305,9 @@ pub struct SelfPlayConfig {
     pub induction_shown: usize,
 }
 
-impl Default for SelfPlayConfig {
+impl Default for SelfPlaySection {
     fn default() -> Self {
-        SelfPlayConfig {
+        SelfPlaySection {
             task_kinds: TaskKind::ALL.to_vec(),
             references: 6,
             proposals_per_teacher: 1,
@@ -329,7 +329,7 @@ impl Default for SelfPlayConfig {
 /// `[rewards]`: AZR's composite format reward (finite values).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct RewardConfig {
+pub struct RewardsSection {
     /// Solver reward for a correct answer. Default: 1.0.
     pub correct: f64,
     /// Reward for a malformed answer (no parseable `<answer>`). Default: -1.0.
@@ -338,9 +338,9 @@ pub struct RewardConfig {
     pub wrong: f64,
 }
 
-impl Default for RewardConfig {
+impl Default for RewardsSection {
     fn default() -> Self {
-        RewardConfig {
+        RewardsSection {
             correct: 1.0,
             malformed: -1.0,
             wrong: -0.5,
@@ -353,7 +353,7 @@ impl Default for RewardConfig {
 /// `[training]`: AdamW + one PPO-clip update per step (TRR++ advantages).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct TrainingConfig {
+pub struct TrainingSection {
     /// Learning rate, 0 < lr <= 1. Default: 1e-4.
     pub lr: f64,
     /// AdamW decoupled weight decay, >= 0. Default: 0.0.
@@ -372,9 +372,9 @@ pub struct TrainingConfig {
     pub micro_batch_tokens: usize,
 }
 
-impl Default for TrainingConfig {
+impl Default for TrainingSection {
     fn default() -> Self {
-        TrainingConfig {
+        TrainingSection {
             lr: 1e-4,
             weight_decay: 0.0,
             beta1: 0.9,
@@ -394,7 +394,7 @@ impl Default for TrainingConfig {
 /// by one crossover then one mutation, each drawn by weight.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct EvolutionConfig {
+pub struct EvolutionSection {
     /// Run evolution at all; must be false in solo mode (where it defaults to false). Default: true.
     pub enabled: bool,
     /// Evolve every E steps, >= 1. Default: 5.
@@ -416,9 +416,9 @@ pub struct EvolutionConfig {
     pub mutation: Vec<WeightedOperator>,
 }
 
-impl Default for EvolutionConfig {
+impl Default for EvolutionSection {
     fn default() -> Self {
-        EvolutionConfig {
+        EvolutionSection {
             enabled: true,
             every: 5,
             cull_fraction: 0.25,
@@ -486,7 +486,7 @@ impl WeightedOperator {
 /// `[verifier]`: the Python sandbox pool.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct VerifierConfig {
+pub struct VerifierSection {
     /// Sandbox worker processes, 1..=64. Default: 2.
     pub workers: usize,
     /// Wall-clock limit per program run in milliseconds, 10..=60000. Default: 2000.
@@ -495,9 +495,9 @@ pub struct VerifierConfig {
     pub memory_mb: u64,
 }
 
-impl Default for VerifierConfig {
+impl Default for VerifierSection {
     fn default() -> Self {
-        VerifierConfig {
+        VerifierSection {
             workers: 2,
             timeout_ms: 2000,
             memory_mb: 512,
@@ -508,14 +508,14 @@ impl Default for VerifierConfig {
 /// `[checkpoint]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct CheckpointConfig {
+pub struct CheckpointSection {
     /// Steps between checkpoints, >= 1. Default: 5.
     pub every: u64,
 }
 
-impl Default for CheckpointConfig {
+impl Default for CheckpointSection {
     fn default() -> Self {
-        CheckpointConfig { every: 5 }
+        CheckpointSection { every: 5 }
     }
 }
 
@@ -559,7 +559,8 @@ pub struct Injection {
     pub op: Option<String>,
 }
 
-/// A population role.
+/// A member's role. Teachers and students make a population; the solo
+/// member of the single-agent baseline plays both and is never injected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -567,14 +568,17 @@ pub enum Role {
     Teacher,
     /// Solves problems.
     Student,
+    /// Proposes problems and solves its own.
+    Solo,
 }
 
 impl Role {
-    /// The member-id prefix: `teacher` / `student`.
+    /// The member-id prefix: `teacher` / `student` / `solo`.
     pub fn as_str(self) -> &'static str {
         match self {
             Role::Teacher => "teacher",
             Role::Student => "student",
+            Role::Solo => "solo",
         }
     }
 }
@@ -719,7 +723,7 @@ impl Scenario {
                 .unwrap_or_else(|| "scenario".to_string());
         }
         if self.model.source == ModelSource::Tiny && self.model.tiny.is_none() {
-            self.model.tiny = Some(TinyModelConfig::default());
+            self.model.tiny = Some(TinyModelSection::default());
         }
         if self.population.mode == Mode::Solo {
             // Counts are forbidden in the file (validation reports any given); resolve

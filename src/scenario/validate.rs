@@ -3,7 +3,7 @@
 use super::source_map::SourceMap;
 use super::{
     parse_member_id, ErrorKind, EventAction, Mode, ModelSource, Scenario, ScenarioError,
-    SelfPlayConfig, WeightedOperator,
+    SelfPlaySection, WeightedOperator,
 };
 use crate::task::grammar::{reply_grammar, ReplyShape};
 use crate::task::Role;
@@ -510,7 +510,7 @@ fn selfplay(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
 
 /// With structured decoding, every reply's grammar must close within
 /// `max_new_tokens` (the grammar of each task kind and role says how much it needs).
-fn reply_budget(v: &Validator, sp: &SelfPlayConfig) -> Result<(), ScenarioError> {
+fn reply_budget(v: &Validator, sp: &SelfPlaySection) -> Result<(), ScenarioError> {
     let shape = ReplyShape {
         max_new_tokens: sp.max_new_tokens,
         arity: None,
@@ -629,6 +629,13 @@ fn events(v: &Validator, s: &Scenario, check: OperatorCheck) -> Result<(), Scena
             }
             EventAction::Inject(injection) => {
                 let role = injection.role.as_str();
+                if injection.role == super::Role::Solo {
+                    let role_key = format!("{key}.inject.role");
+                    return Err(v.fail(
+                        &role_key,
+                        format!("{role_key} = \"solo\" cannot be injected (allowed: \"teacher\", \"student\")"),
+                    ));
+                }
                 if let Some(parents) = &injection.from {
                     let from_key = format!("{key}.inject.from");
                     if parents.is_empty() {

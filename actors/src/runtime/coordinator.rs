@@ -16,7 +16,7 @@ use anyhow::Context;
 use populora::compute::{Cost, GenRequest, Generation, TrainRow};
 use populora::lora::AdapterGrads;
 use populora::rating::{match_teachers, record_problem, MatchConfig, Player, TrueSkillConfig};
-use populora::scenario::{EventAction, Mode, Scenario};
+use populora::scenario::{EventAction, Mode, Role, Scenario};
 use populora::selfplay::{
     self, play_step, Learner, MemberId, Problem, ProposalJob, ProposalResult, Roster, SolveJob,
     SolveResult, StepBackend, StepContext, StepMetrics, Trained,
@@ -30,7 +30,7 @@ use super::control::{Command, LiveStatus, Shared};
 use super::engine::Engine;
 use super::evolution::{Contender, Evolution, EvolutionArgs, EvolutionMsg, Newborn};
 use super::journal::{Event, Log, Source};
-use super::league::{League, Part};
+use super::league::League;
 use super::member::{self, Member, MemberArgs, MemberMsg, Updated};
 use super::rundir::RunDir;
 use super::verifier::{Verifier, VerifierArgs, VerifierMsg};
@@ -620,9 +620,9 @@ fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
             .context("the solo member is gone")?;
         return Ok(Roster::solo(id));
     }
-    let players = |part: Part| -> Vec<Player> {
+    let players = |part: Role| -> Vec<Player> {
         league
-            .ids(|m| m.part == part)
+            .ids(|m| m.role == part)
             .into_iter()
             .map(|id| Player {
                 id: league.name(id),
@@ -631,7 +631,7 @@ fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
             })
             .collect()
     };
-    let (teachers, students) = (players(Part::Teacher), players(Part::Student));
+    let (teachers, students) = (players(Role::Teacher), players(Role::Student));
     let config = MatchConfig {
         trueskill: trueskill(),
         ..MatchConfig::default()
@@ -651,9 +651,9 @@ fn roster(state: &State, s: u64) -> anyhow::Result<Roster> {
         matches.insert(id_of(&p.teacher)?, students);
     }
     Ok(Roster {
-        proposers: league.ids(|m| m.part == Part::Teacher),
+        proposers: league.ids(|m| m.role == Role::Teacher),
         matches,
-        solvers: league.ids(|m| m.part == Part::Student),
+        solvers: league.ids(|m| m.role == Role::Student),
     })
 }
 
@@ -691,11 +691,11 @@ fn rate(
 }
 
 /// Snapshots of the members of `part`, with their fitness, for evolution.
-async fn contenders(state: &State, part: Part) -> StepResult<Vec<Contender>> {
+async fn contenders(state: &State, part: Role) -> StepResult<Vec<Contender>> {
     let league = &state.args.league;
     let evolution = &state.args.scenario.evolution;
     let mut out = Vec::new();
-    for id in league.ids(|m| m.part == part) {
+    for id in league.ids(|m| m.role == part) {
         let actor = &state.members[&id];
         let name = league.name(id);
         let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
@@ -713,11 +713,11 @@ async fn contenders(state: &State, part: Part) -> StepResult<Vec<Contender>> {
 }
 
 async fn evolve(state: &mut State, s: u64, events: &mut Vec<Event>) -> StepResult<()> {
-    for part in [Part::Teacher, Part::Student] {
+    for part in [Role::Teacher, Role::Student] {
         let contenders = contenders(state, part).await?;
         let plan = ask(&state.evolution, |reply| EvolutionMsg::Evolve {
             step: s,
-            label: part.name().to_string(),
+            label: part.as_str().to_string(),
             contenders,
             reply,
         })
@@ -746,7 +746,7 @@ fn remove_member(state: &mut State, id: MemberId) {
     state.args.league.remove(id);
 }
 
-async fn add_member(state: &mut State, s: u64, part: Part, child: Newborn) -> StepResult<Event> {
+async fn add_member(state: &mut State, s: u64, part: Role, child: Newborn) -> StepResult<Event> {
     let fresh = trueskill();
     let rating = populora::rating::Rating::fresh(&fresh);
     let id = state
@@ -763,7 +763,7 @@ async fn add_member(state: &mut State, s: u64, part: Part, child: Newborn) -> St
     Ok(Event::Spawn {
         step: s,
         id: state.args.league.name(id),
-        role: part.name().to_string(),
+        role: part.as_str().to_string(),
         subpop: child.subpop,
         parents: child.parents,
         operators: child.operators,
@@ -811,7 +811,7 @@ async fn apply_command(
             }
         }
         Command::Inject { role, from, op } => {
-            let part = Part::of(*role);
+            let part = *role;
             let contenders = contenders(state, part).await?;
             let from: Vec<MemberId> = from
                 .iter()
@@ -823,7 +823,7 @@ async fn apply_command(
                 .smallest_subpop(part, state.args.scenario.population.subpopulations);
             let child = ask(&state.evolution, |reply| EvolutionMsg::Inject {
                 step: s,
-                label: format!("{}-{}", part.name(), events.len()),
+                label: format!("{}-{}", part.as_str(), events.len()),
                 contenders,
                 from,
                 op: op.clone(),

@@ -10,7 +10,7 @@ use populora::evolve::select::{cull, pick_weighted, tournament, Candidate};
 use populora::evolve::{self, OperatorKind, OperatorSpec};
 use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter};
-use populora::scenario::{EvolutionConfig, OptimizerInit};
+use populora::scenario::{EvolutionSection, OptimizerInit};
 use populora::selfplay::{Learner, MemberId};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rand_chacha::ChaCha12Rng;
@@ -60,7 +60,7 @@ pub enum EvolutionMsg {
 
 pub struct EvolutionArgs {
     pub seed: u64,
-    pub config: EvolutionConfig,
+    pub config: EvolutionSection,
     pub adamw: AdamWConfig,
 }
 
@@ -139,7 +139,7 @@ fn evolve_role(
     seed: u64,
     step: u64,
     label: &str,
-    config: &EvolutionConfig,
+    config: &EvolutionSection,
     adamw: AdamWConfig,
     contenders: Vec<Contender>,
 ) -> anyhow::Result<Plan> {
@@ -174,7 +174,7 @@ fn evolve_role(
 }
 
 struct Breeder<'a> {
-    config: &'a EvolutionConfig,
+    config: &'a EvolutionSection,
     adamw: AdamWConfig,
     contenders: &'a [Contender],
 }

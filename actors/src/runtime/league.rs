@@ -14,35 +14,12 @@ use serde::{Deserialize, Serialize};
 
 use super::journal::MemberEntry;
 
-/// What a member does. `Solo` is the baseline's one member in both roles.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Part {
-    Teacher,
-    Student,
-    Solo,
-}
-
-impl Part {
-    pub fn name(self) -> &'static str {
-        match self {
-            Part::Teacher => "teacher",
-            Part::Student => "student",
-            Part::Solo => "solo",
-        }
-    }
-    pub fn of(role: Role) -> Part {
-        match role {
-            Role::Teacher => Part::Teacher,
-            Role::Student => Part::Student,
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MemberInfo {
     pub name: String,
-    pub part: Part,
+    /// Checkpoints before the roles were one type called this `part`.
+    #[serde(alias = "part")]
+    pub role: Role,
     pub subpop: usize,
     /// Step at which it joined (0 for the initial population).
     pub born: u64,
@@ -92,12 +69,12 @@ impl League {
         let p = &scenario.population;
         match p.mode {
             Mode::Solo => {
-                league.add(Part::Solo, 0, 0, Vec::new(), fresh);
+                league.add(Role::Solo, 0, 0, Vec::new(), fresh);
             }
             Mode::Population => {
                 for i in 0..p.teachers {
                     league.add(
-                        Part::Teacher,
+                        Role::Teacher,
                         scenario.subpopulation_of(i),
                         0,
                         Vec::new(),
@@ -106,7 +83,7 @@ impl League {
                 }
                 for j in 0..p.students {
                     league.add(
-                        Part::Student,
+                        Role::Student,
                         scenario.subpopulation_of(j),
                         0,
                         Vec::new(),
@@ -121,7 +98,7 @@ impl League {
     /// A new member; returns its id.
     pub fn add(
         &mut self,
-        part: Part,
+        role: Role,
         subpop: usize,
         born: u64,
         parents: Vec<String>,
@@ -129,8 +106,11 @@ impl League {
     ) -> MemberId {
         let id = self.next_id;
         self.next_id += 1;
-        let index = self.next_index.entry(part.name().to_string()).or_default();
-        let name = format!("{}-{index}", part.name());
+        let index = self
+            .next_index
+            .entry(part.as_str().to_string())
+            .or_default();
+        let name = format!("{}-{index}", part.as_str());
         *index += 1;
         self.members.insert(
             id,
@@ -179,19 +159,19 @@ impl League {
             .values()
             .map(|m| MemberEntry {
                 id: m.name.clone(),
-                role: m.part.name().to_string(),
+                role: m.role.as_str().to_string(),
                 subpop: m.subpop,
             })
             .collect()
     }
 
     /// The sub-population of `part` with the fewest members (lowest index on ties).
-    pub fn smallest_subpop(&self, part: Part, subpops: usize) -> usize {
+    pub fn smallest_subpop(&self, role: Role, subpops: usize) -> usize {
         (0..subpops.max(1))
             .min_by_key(|&g| {
                 self.members
                     .values()
-                    .filter(|m| m.part == part && m.subpop == g)
+                    .filter(|m| m.role == part && m.subpop == g)
                     .count()
             })
             .unwrap_or(0)

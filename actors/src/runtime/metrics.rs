@@ -14,7 +14,7 @@ pub fn line(league: &League, scenario: &Scenario, m: &StepMetrics, wall_ms: f64)
         let info = &league.members[&id];
         MemberLine {
             id: info.name.clone(),
-            role: info.part.name().to_string(),
+            role: info.role.as_str().to_string(),
             subpop: info.subpop,
             reward_mean: m.member_reward.get(&id).copied(),
             fitness: league.fitness(id, evolution.fitness, evolution.fitness_window),
