@@ -108,15 +108,15 @@ impl League {
         self.next_id += 1;
         let index = self
             .next_index
-            .entry(part.as_str().to_string())
+            .entry(role.as_str().to_string())
             .or_default();
-        let name = format!("{}-{index}", part.as_str());
+        let name = format!("{}-{index}", role.as_str());
         *index += 1;
         self.members.insert(
             id,
             MemberInfo {
                 name,
-                part,
+                role,
                 subpop,
                 born,
                 parents,
@@ -171,7 +171,7 @@ impl League {
             .min_by_key(|&g| {
                 self.members
                     .values()
-                    .filter(|m| m.role == part && m.subpop == g)
+                    .filter(|m| m.role == role && m.subpop == g)
                     .count()
             })
             .unwrap_or(0)
