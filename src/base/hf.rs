@@ -233,22 +233,13 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
     out
 }
 
-/// Write `model` as an HF directory split into `shards` safetensors files
-/// (one file without an index when `shards == 1`), with `config.json` and
-/// the given `tokenizer.json`.
-pub fn write(
-    dir: &Path,
-    model: &Llama,
-    tokenizer: &tokenizers::Tokenizer,
-    shards: usize,
-) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
-    let cfg = &model.config;
+/// The `config.json` an HF checkpoint of a model with `cfg` holds.
+pub fn config_json(cfg: &ModelConfig) -> serde_json::Value {
     let arch = match cfg.arch {
         Arch::Llama => "LlamaForCausalLM",
         Arch::Qwen2 => "Qwen2ForCausalLM",
     };
-    let config = serde_json::json!({
+    serde_json::json!({
         "architectures": [arch],
         "model_type": if cfg.arch == Arch::Llama { "llama" } else { "qwen2" },
         "vocab_size": cfg.vocab_size,
@@ -268,7 +259,20 @@ pub fn write(
         "sliding_window": cfg.max_position_embeddings,
         "max_window_layers": cfg.num_layers,
         "use_sliding_window": false,
-    });
+    })
+}
+
+/// Write `model` as an HF directory split into `shards` safetensors files
+/// (one file without an index when `shards == 1`), with `config.json` and
+/// the given `tokenizer.json`.
+pub fn write(
+    dir: &Path,
+    model: &Llama,
+    tokenizer: &tokenizers::Tokenizer,
+    shards: usize,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
+    let config = config_json(&model.config);
     let config_path = dir.join("config.json");
     std::fs::write(
         &config_path,
