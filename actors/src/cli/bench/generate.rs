@@ -43,57 +43,21 @@ const WARM_UP_TOKENS: usize = 4;
 pub fn run(args: Args) -> anyhow::Result<()> {
     let base = args.model.load()?;
     let prompts = bench_prompts(&base)?;
-    let on_cpu = base.model.device().is_cpu();
-    // candle-transformers' llama on the very f32 tensors ours runs (a Llama,
-    // on the CPU); its quantized_llama on the GGUF's own Q4_1 weights, whose
-    // dot product candle has only as scalar code.
-    let f32_peer = match on_cpu && base.config().arch == base::Arch::Llama {
-        true => Some(CandleLlama::new(&base.model)?),
-        false => None,
-    };
-    let mut quantized_peer = match on_cpu && base.source == base::Source::Gguf {
-        true => Some(load_quantized_peer(&base)?),
-        false => None,
-    };
-    let prompt = &prompts[0];
-
-    decode(&base, &prompts[..1], WARM_UP_TOKENS, None, Sampling::GREEDY)?;
-    if let Some(peer) = &f32_peer {
-        greedy_f32(peer, prompt, WARM_UP_TOKENS)?;
-    }
-    if let Some(peer) = &mut quantized_peer {
-        greedy_quantized(peer, prompt, WARM_UP_TOKENS)?;
-    }
-    // Interleaved, best of each: one sample swings by ±15 % on a shared machine.
-    let (mut ours, mut f32_side, mut quantized_side) =
-        (Best::default(), Best::default(), Best::default());
-    for _ in 0..args.repeats.max(1) {
-        let (tok_s, _, out) = decode(&base, &prompts[..1], args.tokens, None, Sampling::GREEDY)?;
-        ours.add(
-            tok_s,
-            out.into_iter().next().map(|g| g.tokens).unwrap_or_default(),
-        );
-        if let Some(peer) = &f32_peer {
-            let (tok_s, tokens) = greedy_f32(peer, prompt, args.tokens)?;
-            f32_side.add(tok_s, tokens);
-        }
-        if let Some(peer) = &mut quantized_peer {
-            let (tok_s, tokens) = greedy_quantized(peer, prompt, args.tokens)?;
-            quantized_side.add(tok_s, tokens);
-        }
-    }
+    let sides = batch1_sides(&base, &prompts[0], args.tokens, args.repeats.max(1))?;
     let (batch32, _, _) = decode(&base, &prompts, args.tokens, None, Sampling::GREEDY)?;
     let constrained = constrained_batch32(&base, &prompts, args.grammar_tokens)?;
-    let batch1 = ours.tok_s;
+    let batch1 = sides.ours.tok_s;
+    let (f32_peer, quantized) = (sides.f32_peer.measured(), sides.quantized.measured());
+    let same_tokens = common_prefix(&sides.ours.tokens, &sides.f32_peer.tokens);
     let value = json!({
         "batch1_tok_s": batch1,
         "batch32_tok_s": batch32,
         "batch32_over_batch1": batch32 / batch1,
-        "peer_llama_f32_tok_s": f32_side.measured(),
-        "batch1_over_peer_llama_f32": f32_side.measured().map(|p| batch1 / p),
-        "peer_llama_f32_same_tokens": f32_side.measured().map(|_| common_prefix(&ours.tokens, &f32_side.tokens)),
-        "peer_quantized_tok_s": quantized_side.measured(),
-        "batch1_over_peer_quantized": quantized_side.measured().map(|p| batch1 / p),
+        "peer_llama_f32_tok_s": f32_peer,
+        "batch1_over_peer_llama_f32": f32_peer.map(|p| batch1 / p),
+        "peer_llama_f32_same_tokens": f32_peer.map(|_| same_tokens),
+        "peer_quantized_tok_s": quantized,
+        "batch1_over_peer_quantized": quantized.map(|p| batch1 / p),
         "peers": {
             "llama_f32": "candle-transformers llama on the same f32 weights, warmed up as ours",
             "quantized": "candle-transformers quantized_llama Q4_1, scalar fallback, warmed up as ours",
@@ -107,6 +71,67 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     super::report(args.json, &value);
     Ok(())
+}
+
+/// Batch 1 on one prompt: ours and each peer that can run here.
+struct Batch1 {
+    ours: Best,
+    f32_peer: Best,
+    quantized: Best,
+}
+
+/// Every side warmed up alike, then `repeats` interleaved runs, the best of
+/// each kept: one sample swings by ±15 % on a shared machine. The peers run
+/// on the CPU only: candle-transformers' llama on the very f32 tensors ours
+/// runs (a Llama), its quantized_llama on the GGUF's own Q4_1 weights, whose
+/// dot product candle has only as scalar code.
+fn batch1_sides(
+    base: &BaseModel,
+    prompt: &[u32],
+    tokens: usize,
+    repeats: usize,
+) -> anyhow::Result<Batch1> {
+    let on_cpu = base.model.device().is_cpu();
+    let f32_peer = if on_cpu && base.config().arch == base::Arch::Llama {
+        Some(CandleLlama::new(&base.model)?)
+    } else {
+        None
+    };
+    let mut quantized_peer = if on_cpu && base.source == base::Source::Gguf {
+        Some(load_quantized_peer(base)?)
+    } else {
+        None
+    };
+    let prompts = [prompt.to_vec()];
+    let mut sides = Batch1 {
+        ours: Best::default(),
+        f32_peer: Best::default(),
+        quantized: Best::default(),
+    };
+    // The warm-up (`WARM_UP_TOKENS`) is run 0, and not kept.
+    for (run, tokens) in std::iter::once(WARM_UP_TOKENS)
+        .chain(std::iter::repeat_n(tokens, repeats))
+        .enumerate()
+    {
+        let keep = |side: &mut Best, (tok_s, out): (f64, Vec<u32>)| {
+            if run > 0 {
+                side.add(tok_s, out);
+            }
+        };
+        let (tok_s, _, out) = decode(base, &prompts, tokens, None, Sampling::GREEDY)?;
+        let out = out.into_iter().next().map(|g| g.tokens).unwrap_or_default();
+        keep(&mut sides.ours, (tok_s, out));
+        if let Some(peer) = &f32_peer {
+            keep(&mut sides.f32_peer, greedy_f32(peer, prompt, tokens)?);
+        }
+        if let Some(peer) = &mut quantized_peer {
+            keep(
+                &mut sides.quantized,
+                greedy_quantized(peer, prompt, tokens)?,
+            );
+        }
+    }
+    Ok(sides)
 }
 
 /// The fastest of a side's runs, and the tokens it generated.
