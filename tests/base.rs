@@ -69,7 +69,7 @@ fn gguf_round_trip_undoes_the_qk_permutation() {
 
 #[test]
 fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
-    use candle_transformers::models::llama as peer;
+    use populora::base::peer::CandleLlama;
     let spec = TinySpec {
         tied: false,
         seed: 3,
@@ -84,23 +84,15 @@ fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
         "sharded checkpoint"
     );
 
-    let cfg: peer::LlamaConfig =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let cfg = cfg.into_config(false);
-    let files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    let vb =
-        unsafe { VarBuilder::from_mmaped_safetensors(&files, DType::F32, &Device::Cpu).unwrap() };
-    let peer_model = peer::Llama::load(vb, &cfg).unwrap();
-    let mut cache = peer::Cache::new(true, DType::F32, &cfg, &Device::Cpu).unwrap();
+    // The peer holds the weights that were written; ours read them back.
+    let peer = CandleLlama::new(&model).unwrap();
+    let mut cache = peer.cache().unwrap();
     let input = Tensor::new(&TOKENS, &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let peer_last = peer_model
+    let peer_last = peer
+        .model
         .forward(&input, 0, &mut cache)
         .unwrap()
         .squeeze(0)

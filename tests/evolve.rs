@@ -279,6 +279,48 @@ fn weighted_sums_match_the_dense_truncated_svd() {
     );
 }
 
+/// The dense reference paths (full and randomized SVD of the formed ΔW)
+/// against the low-rank path, and `dense::frobenius_of_sum` against the
+/// norm of the formed matrices.
+#[test]
+fn dense_paths_match_the_low_rank_path() {
+    use populora::evolve::dense::{frobenius_of_sum, weighted_sum_module, Truncation};
+    let (p1, p2) = (random_adapter(1), random_adapter(2));
+    let child = cross(&OperatorSpec::new("average"), &[&p1, &p2], &[], 7);
+    let randomized = |oversample| Truncation::Randomized {
+        oversample,
+        power_iterations: 0,
+        seed: 3,
+    };
+    for (key, module) in &child.modules {
+        let parents = [&p1.modules[key], &p2.modules[key]];
+        let dense = |truncation| {
+            weighted_sum_module(key, &parents, &[0.5, 0.5], RANK, truncation)
+                .unwrap()
+                .0
+        };
+        let gap = |x: &LoraModule| {
+            frobenius_of_sum(key, &[x, module], &[1.0, -1.0]).unwrap()
+                / frobenius_of_sum(key, &[module], &[1.0]).unwrap()
+        };
+        let full = gap(&dense(Truncation::FullSvd));
+        assert!(full < 1e-5, "{key:?}: full SVD vs low rank: {full}");
+        // The sum has rank ≤ 2r, so 2r probes hold its whole range.
+        let exact = gap(&dense(randomized(RANK)));
+        assert!(exact < 1e-5, "{key:?}: randomized SVD, 2r probes: {exact}");
+        // r + 1 probes without power iterations miss part of it.
+        let rough = dense(randomized(1));
+        let (x, y) = (delta(&rough), delta(module));
+        let formed = frobenius(&(&x - &y)) / frobenius(&y);
+        assert!(gap(&rough) > 1e-3, "{key:?}: r + 1 probes: {}", gap(&rough));
+        assert!(
+            (gap(&rough) - formed).abs() < 1e-6,
+            "{key:?}: {} vs {formed}",
+            gap(&rough)
+        );
+    }
+}
+
 #[test]
 fn subspace_mix_takes_leading_directions_from_the_fitter_parent() {
     let (p1, p2) = (random_adapter(1), random_adapter(2));

@@ -99,17 +99,26 @@ fn settle_thread_count() {
 /// A train step allocates and frees ≈ 2 GB of activations per micro-batch, in
 /// blocks of 1–30 MB. glibc hands blocks above its mmap threshold (128 KiB,
 /// rising with use up to 32 MiB) straight back to the kernel when freed, so each
-/// micro-batch faulted in and zeroed fresh pages again: 11 % of `bench broker`'s
-/// train time went to the kernel's `clear_page`. Serving blocks up to 32 MiB
-/// (glibc's largest threshold) from the heap, never trimming it (-1) and growing
-/// it 256 MiB at a time lets the next micro-batch reuse the same pages: 7–14 %
-/// more train tokens/s in a probe of the step alone (BENCHMARKS.md, machine C).
+/// micro-batch faulted in and zeroed fresh pages again. Serving blocks up to
+/// 32 MiB (glibc's largest threshold) from the heap, never trimming it (-1) and
+/// growing it 256 MiB at a time lets the next micro-batch reuse the same pages.
 /// One arena for every thread: the runtime runs train steps on whichever
 /// blocking-pool thread is free, and with an arena per thread each could keep
-/// a step's peak. The cost: the heap stays at its peak (≈ 2.6 GB for `bench
-/// broker`) until exit, in every subcommand. These settings override glibc's
-/// `MALLOC_*_` environment variables.
+/// a step's peak. These settings override glibc's `MALLOC_*_` variables.
+///
+/// Kept because it pays (BENCHMARKS.md, "`mallopt` settings"; machine F,
+/// 2026-12-04, alternated with `POPULORA_NO_MALLOPT=1`, which skips them and
+/// is read here only): `bench broker`'s train step +6 % (median of 3 pairs,
+/// train/GEMM 0.66–0.73 against 0.60–0.66), a sixth of the page faults; a
+/// quickstart run takes the same time (637 against 640 s over an ABBA
+/// quartet, identical results) at a lower peak RSS (1.16–1.17 against
+/// 1.45–1.62 GiB: the one arena). Its cost: the heap stays at its peak until exit, and
+/// in the same broker runs the 1-adapter and sequential decode runs were
+/// 3–15 % slower while the batched multi-adapter run was 1–20 % faster.
 fn keep_freed_memory() {
+    if std::env::var_os("POPULORA_NO_MALLOPT").is_some_and(|v| v == "1") {
+        return; // glibc's defaults, for A/B measurements
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     for (param, value) in [
         (libc::M_MMAP_THRESHOLD, 32 << 20),

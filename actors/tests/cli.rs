@@ -116,6 +116,36 @@ fn bench_devices_are_checked_before_anything_loads() {
     }
 }
 
+/// `bench verifier` on a few programs: the sandbox and both fresh-interpreter
+/// baselines (`python3 -I -S -c`, `python3 -c`) compute the same outputs;
+/// `--sandbox-only` leaves the baselines out.
+#[test]
+fn bench_verifier_measures_the_sandbox_against_both_spawn_baselines() {
+    let measure = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["bench", "verifier", "--programs", "16", "--json"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(ok(&args).trim()).unwrap()
+    };
+    let value = measure(&[]);
+    assert_eq!(value["outputs_agree"], true, "{value}");
+    for key in [
+        "sandboxed_per_s",
+        "spawn_bare_per_s",
+        "spawn_plain_per_s",
+        "over_spawn_bare",
+        "over_spawn_plain",
+    ] {
+        assert!(
+            value[key].as_f64().is_some_and(|v| v > 0.0),
+            "{key}: {value}"
+        );
+    }
+    assert_eq!(value["spawn_bare"], "python3 -I -S -c RUNNER", "{value}");
+    let alone = measure(&["--sandbox-only"]);
+    assert!(alone["sandboxed_per_s"].as_f64().is_some_and(|v| v > 0.0));
+    assert!(alone.get("spawn_bare_per_s").is_none(), "{alone}");
+}
+
 /// Run `populora` with `args` as given (no --model appended).
 fn populora_raw(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_populora"))

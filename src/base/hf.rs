@@ -338,17 +338,14 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
     out
 }
 
-/// Write `model` as an HF directory split into `shards` safetensors files
-/// (one file without an index when `shards == 1`), with `config.json`, and
-/// `tokenizer.json` and `tokenizer_config.json` of `vocab`.
-pub fn write(dir: &Path, model: &Llama, vocab: &TinyVocab, shards: usize) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
-    let cfg = &model.config;
+/// The `config.json` an HF checkpoint of a model with `cfg` holds (its
+/// end-of-sequence id is the tokenizer's, so [`write`] adds it).
+pub fn config_json(cfg: &ModelConfig) -> serde_json::Value {
     let arch = match cfg.arch {
         Arch::Llama => "LlamaForCausalLM",
         Arch::Qwen2 => "Qwen2ForCausalLM",
     };
-    let config = serde_json::json!({
+    serde_json::json!({
         "architectures": [arch],
         "model_type": if cfg.arch == Arch::Llama { "llama" } else { "qwen2" },
         "vocab_size": cfg.vocab_size,
@@ -362,12 +359,20 @@ pub fn write(dir: &Path, model: &Llama, vocab: &TinyVocab, shards: usize) -> Res
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": "silu",
-        "eos_token_id": vocab.eos,
         "_name_or_path": cfg.name,
         "sliding_window": cfg.max_position_embeddings,
         "max_window_layers": cfg.num_layers,
         "use_sliding_window": false,
-    });
+    })
+}
+
+/// Write `model` as an HF directory split into `shards` safetensors files
+/// (one file without an index when `shards == 1`), with `config.json`, and
+/// `tokenizer.json` and `tokenizer_config.json` of `vocab`.
+pub fn write(dir: &Path, model: &Llama, vocab: &TinyVocab, shards: usize) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(Error::io(dir))?;
+    let mut config = config_json(&model.config);
+    config["eos_token_id"] = vocab.eos.into();
     let config_path = dir.join("config.json");
     std::fs::write(
         &config_path,

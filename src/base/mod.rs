@@ -15,6 +15,7 @@ pub mod hf;
 pub(crate) mod kernels;
 mod model;
 pub(crate) mod ops;
+pub mod peer;
 pub mod row_lanes;
 pub mod target;
 pub mod tiny;

@@ -803,7 +803,11 @@ def fill_free_blocks():
     go there first: every page a child allocates into is one more
     copy-on-write fault (and the zygote's own per-job objects land there too).
     With the old pools full, new objects fill fresh pools, a few contiguous
-    pages. Measured: 80 fewer page faults per job (of ~630)."""
+    pages. Kept because it pays: `bench verifier --sandbox-only --programs
+    4000`, 8 pairs alternated with POPULORA_NO_POOL_FILL=1 (which turns it
+    off, see server.rs), machine F 2026-12-04: 421 against 463 page faults per
+    program in every run, CPU of the process tree −6 % and throughput +5 %
+    (medians of the pairs; BENCHMARKS.md, "Verifier sandbox")."""
     for size, free in free_small_blocks().items():
         make = block_maker(size)
         if make is not None:
@@ -1248,7 +1252,8 @@ def main():
         return
     if role == "zygote":
         gc.collect()
-        fill_free_blocks()
+        if cfg["fill_pools"]:
+            fill_free_blocks()
         gc.freeze()
     serve = handle if role == "zygote" else check
     write_msg(proto_out, {"hello": True, "layers": st.layers})

@@ -122,6 +122,11 @@ struct ServerConfig<'a> {
     uid: Option<u32>,
     gid: Option<u32>,
     tmpfs_mb: u64,
+    /// Whether the zygote fills CPython's free small-object blocks before
+    /// `gc.freeze()` (server.py, `fill_free_blocks`, which says what it is
+    /// worth). On unless `POPULORA_NO_POOL_FILL=1`, read here and nowhere
+    /// else: the switch exists for A/B measurements of the sandbox.
+    fill_pools: bool,
 }
 
 pub(crate) struct Server {
@@ -141,6 +146,7 @@ impl Server {
             uid: Some(config.unprivileged_uid),
             gid: Some(config.unprivileged_gid),
             tmpfs_mb: config.tmpfs_mb,
+            fill_pools: std::env::var_os("POPULORA_NO_POOL_FILL").is_none_or(|v| v != "1"),
         };
         let config_json = serde_json::to_string(&server_config)
             .map_err(|e| Error::Config(format!("cannot encode the server configuration: {e}")))?;

@@ -1,23 +1,17 @@
 //! `populora generate`: continue a prompt, with the base model or with
-//! adapters (ours or PEFT's, several in one batch); `populora bench
-//! generate`: decode speed.
+//! adapters (ours or PEFT's, several in one batch).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::Device;
 use clap::Parser;
 use populora::base::{self, BaseModel, Message, Tokenizer};
-use populora::compute::{
-    self, AdapterSet, DecodeStats, GenRequest, Generation, Pick, Sampling, StopReason,
-};
+use populora::compute::{self, AdapterSet, GenRequest, Generation, Pick, Sampling, StopReason};
 use populora::grammar::{Grammar, Vocabulary};
 use populora::keyed_stream;
 use populora::lora::AdapterDir;
-use populora::task::grammar::{reply_grammar, ReplyShape};
-use populora::task::{Role, TaskKind};
 use serde_json::{json, Value};
 
 #[derive(Parser)]
@@ -225,175 +219,4 @@ fn output_json(tok: &Tokenizer, label: Option<&str>, out: &Generation) -> anyhow
         },
         "tokens": tokens,
     }))
-}
-
-#[derive(Parser)]
-pub struct BenchArgs {
-    /// Print one JSON object.
-    #[arg(long)]
-    pub json: bool,
-    /// New tokens per row.
-    #[arg(long, default_value_t = 64)]
-    pub tokens: usize,
-    /// Token budget of each reply in the constrained batch-32 run.
-    #[arg(long, default_value_t = 192)]
-    pub grammar_tokens: usize,
-    #[command(flatten)]
-    pub model: BenchModel,
-}
-
-/// Which model a benchmark runs, and where.
-#[derive(clap::Args)]
-pub struct BenchModel {
-    /// A GGUF file or HF model directory (default: the default model, fetched on first use).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// `cpu`, `cuda` or `cuda:N` (`cuda` needs a build with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Random weights in the default model's shape, built in memory: for speed
-    /// only, on a machine that cannot fetch the model (replies are not text).
-    #[arg(long, conflicts_with = "model")]
-    pub random_weights: bool,
-}
-
-pub fn load_bench_model(m: &BenchModel) -> anyhow::Result<BaseModel> {
-    let device = base::device::open(&m.device)?;
-    let base = if m.random_weights {
-        let (model, vocab) = base::tiny::build(&base::tiny::TinySpec::default_model_shape())?;
-        BaseModel {
-            model,
-            tokenizer: vocab.tokenizer()?,
-            source: base::Source::Random,
-            path: PathBuf::from("random-weights"),
-        }
-    } else {
-        load_model(m.model.as_deref())?
-    };
-    Ok(base.to_device(&device)?)
-}
-
-/// 32 different short prompts (one per row of the batch-32 run).
-fn bench_prompts(base: &BaseModel) -> anyhow::Result<Vec<Vec<u32>>> {
-    (0..32)
-        .map(|i| {
-            let text = format!(
-                "Write a Python function number {i} that adds {i} to each element of a list."
-            );
-            Ok(base.tokenizer.encode_chat(&[Message::new("user", text)])?)
-        })
-        .collect()
-}
-
-fn decode_tok_s(base: &BaseModel, prompts: &[Vec<u32>], tokens: usize) -> anyhow::Result<f64> {
-    Ok(decode(base, prompts, tokens, None, Sampling::GREEDY)?.0)
-}
-
-/// Tokens/s of one batch of `prompts`, and where its time went.
-fn decode(
-    base: &BaseModel,
-    prompts: &[Vec<u32>],
-    tokens: usize,
-    grammar: Option<&Arc<Grammar>>,
-    sampling: Sampling,
-) -> anyhow::Result<(f64, DecodeStats)> {
-    let stop = match grammar {
-        Some(_) => base.tokenizer.stop_ids.clone(),
-        None => Vec::new(),
-    };
-    let requests = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| GenRequest {
-            adapter: None,
-            prompt: p.clone(),
-            max_new_tokens: tokens,
-            stop: stop.clone(),
-            sampling,
-            rng: keyed_stream!(0, "bench", i),
-            grammar: grammar.cloned(),
-        })
-        .collect();
-    let start = Instant::now();
-    let (out, stats) = compute::generate_with_stats(&base.model, &AdapterSet::new(), requests)?;
-    let generated: usize = out.iter().map(|g| g.tokens.len()).sum();
-    Ok((generated as f64 / start.elapsed().as_secs_f64(), stats))
-}
-
-/// Batch 32 under the deduction proposer's reply grammar (the longest
-/// self-play replies: code), sampled at temperature 1 as in self-play.
-fn constrained_batch32(
-    base: &BaseModel,
-    prompts: &[Vec<u32>],
-    tokens: usize,
-) -> anyhow::Result<serde_json::Value> {
-    let shape = ReplyShape {
-        max_new_tokens: tokens,
-        arity: None,
-        inputs: 1,
-    };
-    let lark = reply_grammar(TaskKind::Deduction, Role::Proposer, &shape)
-        .map_err(anyhow::Error::msg)?
-        .lark;
-    let vocabulary = Vocabulary::new(&base.tokenizer, base.config().vocab_size)?;
-    let grammar = Arc::new(vocabulary.compile(&lark)?);
-    let (tok_s, stats) = decode(base, prompts, tokens, Some(&grammar), Sampling::default())?;
-    let wall = stats.model_ms + stats.pick_ms;
-    Ok(serde_json::json!({
-        "tok_s": tok_s,
-        "max_new_tokens": tokens,
-        "mask_share": stats.mask_ms / wall,
-        "mask_ms": stats.mask_ms,
-        "decode_ms": wall,
-        "passes": stats.passes,
-        "sampled_tokens": stats.sampled_tokens,
-        "forced_tokens": stats.forced_tokens,
-    }))
-}
-
-/// candle-transformers' quantized_llama on the same GGUF (quantized weights), batch 1, greedy.
-fn peer_tok_s(path: &Path, prompt: &[u32], tokens: usize) -> anyhow::Result<f64> {
-    use candle_core::quantized::gguf_file;
-    use candle_core::{Device, Tensor};
-    use candle_transformers::models::quantized_llama::ModelWeights;
-    let mut file = std::fs::File::open(path)?;
-    let content = gguf_file::Content::read(&mut file)?;
-    let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu)?;
-    let start = Instant::now();
-    let input = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
-    let mut logits = model.forward(&input, 0)?;
-    for pos in prompt.len()..prompt.len() + tokens {
-        let next = logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?;
-        logits = model.forward(&Tensor::new(&[next], &Device::Cpu)?.unsqueeze(0)?, pos)?;
-    }
-    Ok(tokens as f64 / start.elapsed().as_secs_f64())
-}
-
-pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let base = load_bench_model(&args.model)?;
-    let prompts = bench_prompts(&base)?;
-    // Warm up allocations and caches once.
-    decode_tok_s(&base, &prompts[..1], 4)?;
-    let batch1 = decode_tok_s(&base, &prompts[..1], args.tokens)?;
-    let batch32 = decode_tok_s(&base, &prompts, args.tokens)?;
-    let constrained = constrained_batch32(&base, &prompts, args.grammar_tokens)?;
-    let peer = if base.source == base::Source::Gguf && base.model.device().is_cpu() {
-        Some(peer_tok_s(&base.path, &prompts[0], args.tokens)?)
-    } else {
-        None
-    };
-    let value = serde_json::json!({
-        "batch1_tok_s": batch1,
-        "batch32_tok_s": batch32,
-        "peer_batch1_tok_s": peer,
-        "batch32_over_batch1": batch32 / batch1,
-        "constrained_batch32": constrained,
-        "batch1_over_peer": peer.map(|p| batch1 / p),
-        "new_tokens_per_row": args.tokens,
-        "threads": candle_core::utils::get_num_threads(),
-        "device": args.model.device,
-        "random_weights": args.model.random_weights,
-    });
-    super::bench::report(args.json, &value);
-    Ok(())
 }

@@ -2,7 +2,6 @@
 
 pub mod adapter;
 pub mod bench;
-pub mod broker;
 pub mod ctl;
 pub mod eval;
 pub mod evolve;

@@ -4,17 +4,17 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use clap::Parser;
 use populora::base::{BaseModel, Message};
 use populora::compute::{self, AdapterSet, Cost, GenRequest, Sampling, TrainConfig, TrainRow};
 use populora::keyed_stream;
 use populora::lora::{Adapter, LoraConfig};
 use rand::Rng;
 
-use super::generate::{load_bench_model, BenchModel};
+use super::model::BenchModel;
 
-#[derive(Parser)]
-pub struct BenchArgs {
+#[derive(clap::Args)]
+pub struct Args {
+    /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
     /// New tokens per row in the decode runs.
@@ -91,7 +91,7 @@ fn decode(
 /// f32 GEMM rate of `device` through candle, GFLOP/s (best of 5): a
 /// train-step-sized product on the CPU, a 4096³ one on a GPU (smaller ones
 /// there measure launch latency, not the GEMM).
-pub fn matmul_gflops(device: &Device) -> anyhow::Result<f64> {
+fn matmul_gflops(device: &Device) -> anyhow::Result<f64> {
     let (m, k, n) = if device.is_cpu() {
         (2048, 576, 1536)
     } else {
@@ -115,8 +115,8 @@ fn train_flops(base: &BaseModel, rows: usize, len: usize, scored: usize) -> f64 
     rows as f64 * Cost::training(base.config(), len, scored).flops
 }
 
-pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let base = load_bench_model(&args.model)?;
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let base = args.model.load()?;
     let device = base.model.device().clone();
     // The GEMM reference is taken before and after the runs and the better one
     // kept: a single sample swings by ±15 % on a shared machine.
@@ -173,7 +173,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "matmul_gflops": matmul,
         "train_over_matmul": train.as_ref().map(|t| t.gflops / matmul),
         "train_micro_batches": train.as_ref().map(|t| t.micro_batches),
-        "train_token_budget": TrainConfig::default().micro_batch_tokens,
+        "train_micro_batch_tokens": TrainConfig::default().micro_batch_tokens,
         "adapters": ADAPTERS,
         "rows": ADAPTERS * ROWS_PER_ADAPTER,
         "new_tokens_per_row": args.tokens,
@@ -182,7 +182,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "device": args.model.device,
         "random_weights": args.model.random_weights,
     });
-    super::bench::report(args.json, &value);
+    super::report(args.json, &value);
     Ok(())
 }
 
@@ -193,7 +193,7 @@ struct TrainSpeed {
 }
 
 /// Train-step tokens/s and GFLOP/s of 8 adapters × 4 rows of `train_len` tokens.
-fn train_speed(base: &BaseModel, set: &AdapterSet, args: &BenchArgs) -> anyhow::Result<TrainSpeed> {
+fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Result<TrainSpeed> {
     let len = args.train_len;
     let scored = len - len / 4;
     let mut rng = keyed_stream!(0, "bench-train");
