@@ -93,6 +93,26 @@ fn scripted(
     }
 }
 
+/// The proposers' jobs of the step, answered with `texts` in job order, judged.
+fn propose_scripted(
+    ctx: &StepContext,
+    model: &Llama,
+    set: &AdapterSet,
+    roster: &Roster,
+    buffers: &TaskBuffers,
+    pool: &VerifierPool,
+    texts: &[&str],
+) -> Vec<selfplay::ProposalResult> {
+    let jobs = selfplay::proposal_jobs(ctx, roster, buffers).unwrap();
+    assert_eq!(jobs.len(), texts.len());
+    let generations = jobs
+        .iter()
+        .zip(texts)
+        .map(|(j, text)| scripted(model, ctx.tokenizer, set, j.author, &j.tokens, text))
+        .collect();
+    selfplay::judge_proposals(ctx, jobs, generations, pool).unwrap()
+}
+
 const PROPOSALS: [&str; 4] = [
     // deduction 0: valid
     "```python\ndef f(x):\n    return x * 2\n```\n```input\n3\n```",
@@ -149,14 +169,7 @@ fn scripted_step_gives_azr_rewards_and_updates_both_members() {
     let set = learners
         .iter()
         .fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
-    let jobs = selfplay::proposal_jobs(&ctx, &roster, &buffers).unwrap();
-    assert_eq!(jobs.len(), 4);
-    let generations = jobs
-        .iter()
-        .zip(PROPOSALS)
-        .map(|(j, text)| scripted(&model, &tok, &set, j.author, &j.tokens, text))
-        .collect();
-    let proposals = selfplay::judge_proposals(&ctx, jobs, generations, &pool).unwrap();
+    let proposals = propose_scripted(&ctx, &model, &set, &roster, &buffers, &pool, &PROPOSALS);
     let rejections: Vec<_> = proposals.iter().map(|p| p.verdict.rejection()).collect();
     assert_eq!(
         rejections,
@@ -372,13 +385,7 @@ fn a_proposal_whose_solver_prompt_cannot_fit_is_rejected_not_fatal() {
     // shows only program and input, an abduction prompt shows the output too.
     let long = "```python\ndef f(x):\n    return list(range(x))\n```\n```input\n2000\n```";
     let texts = [PROPOSALS[0], long, long, PROPOSALS[3]];
-    let jobs = selfplay::proposal_jobs(&ctx, &roster, &buffers).unwrap();
-    let generations = jobs
-        .iter()
-        .zip(texts)
-        .map(|(j, text)| scripted(&model, &tok, &set, j.author, &j.tokens, text))
-        .collect();
-    let proposals = selfplay::judge_proposals(&ctx, jobs, generations, &pool).unwrap();
+    let proposals = propose_scripted(&ctx, &model, &set, &roster, &buffers, &pool, &texts);
     let rejections: Vec<_> = proposals.iter().map(|p| p.verdict.rejection()).collect();
     assert_eq!(
         rejections,

@@ -39,7 +39,7 @@
 mod pool;
 mod server;
 
-pub use pool::{Job, Outcome, VerifierPool};
+pub use pool::{parallel_map, Job, Outcome, VerifierPool};
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

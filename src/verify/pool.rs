@@ -274,39 +274,13 @@ impl VerifierPool {
         }
     }
 
-    /// `f` on every item, on as many threads as there are servers of a role;
-    /// results in input order, `None` where a thread panicked.
+    /// `f` on every item, on as many threads as there are servers of a role.
     fn parallel<T: Sync, R: Send>(
         &self,
         items: &[T],
         f: impl Fn(&T) -> R + Sync,
     ) -> Vec<Option<R>> {
-        let next = AtomicUsize::new(0);
-        let threads = self.config.workers.min(items.len());
-        let finished: Vec<(usize, R)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..threads)
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut done = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some(item) = items.get(i) else { break };
-                            done.push((i, f(item)));
-                        }
-                        done
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
-        });
-        let mut slots: Vec<Option<R>> = items.iter().map(|_| None).collect();
-        for (i, result) in finished {
-            slots[i] = Some(result);
-        }
-        slots
+        parallel_map(self.config.workers, items, f)
     }
 
     fn servers(&self, role: Role) -> &Servers {
@@ -709,4 +683,39 @@ fn clip(text: &str) -> String {
         out.push('…');
     }
     out
+}
+
+/// `f` on every item, on up to `threads` threads that take the next item as
+/// they finish one; results in input order, `None` where a thread panicked.
+pub fn parallel_map<T: Sync, R: Send>(
+    threads: usize,
+    items: &[T],
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<Option<R>> {
+    let next = AtomicUsize::new(0);
+    let threads = threads.clamp(1, items.len().max(1));
+    let finished: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(item) = items.get(i) else { break };
+                        done.push((i, f(item)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
+    let mut slots: Vec<Option<R>> = items.iter().map(|_| None).collect();
+    for (i, result) in finished {
+        slots[i] = Some(result);
+    }
+    slots
 }

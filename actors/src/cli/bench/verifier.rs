@@ -3,11 +3,10 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use populora::verify::{Job, Outcome, SandboxConfig, Status, VerifierPool};
+use populora::verify::{parallel_map, Job, Outcome, SandboxConfig, Status, VerifierPool};
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -153,34 +152,15 @@ fn spawn_each(
     programs: &[(String, String)],
     workers: usize,
 ) -> anyhow::Result<Vec<String>> {
-    let next = AtomicUsize::new(0);
-    let mut indexed: Vec<(usize, anyhow::Result<String>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..workers.max(1))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some((program, input)) = programs.get(i) else {
-                            break;
-                        };
-                        let output = Command::new(python)
-                            .args(flags)
-                            .args(["-c", SPAWN_RUNNER, program, input])
-                            .output()
-                            .with_context(|| format!("cannot run {}", python.display()))
-                            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned());
-                        done.push((i, output));
-                    }
-                    done
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
-            .collect()
-    });
-    indexed.sort_by_key(|(i, _)| *i);
-    indexed.into_iter().map(|(_, r)| r).collect()
+    parallel_map(workers, programs, |(program, input)| {
+        Command::new(python)
+            .args(flags)
+            .args(["-c", SPAWN_RUNNER, program, input])
+            .output()
+            .with_context(|| format!("cannot run {}", python.display()))
+            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+    })
+    .into_iter()
+    .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a baseline thread panicked"))))
+    .collect()
 }
