@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use populora::base::tiny::{self, TinySpec};
 use populora::base::Target;
-use populora::base::{Llama, Logits, NoLora, Positions};
+use populora::base::{Llama, Positions};
 use populora::compute::{
     self, AdapterSet, GenRequest, Pick, RowAdapters, Sampling, ScoreRow, StopReason, TrainConfig,
     TrainRow,
@@ -55,17 +55,18 @@ fn random_adapter_with(config: LoraConfig, model: &Llama, seed: u64, dtype: DTyp
     adapter
 }
 
-/// Last-position logits of an inference pass (no gradient recorded: the fused
-/// kernels generation uses).
+/// Last-position logits of an inference pass (what generation runs).
 fn last_logits(model: &Llama, set: &AdapterSet, rows: &[(Option<u64>, Vec<u32>)]) -> Vec<Vec<f32>> {
-    logits_of_pass(model, set, rows, true)
+    logits_of_pass(model, set, rows, false)
 }
 
+/// Last-position logits of one forward pass; with `save`, the train step's
+/// (activations saved, every LoRA segment on its own).
 fn logits_of_pass(
     model: &Llama,
     set: &AdapterSet,
     rows: &[(Option<u64>, Vec<u32>)],
-    inference: bool,
+    save: bool,
 ) -> Vec<Vec<f32>> {
     let width = rows.iter().map(|r| r.1.len()).max().unwrap();
     let pads: Vec<usize> = rows.iter().map(|r| width - r.1.len()).collect();
@@ -76,15 +77,15 @@ fn logits_of_pass(
     let tokens = Tensor::from_vec(flat, (rows.len(), width), &Device::Cpu).unwrap();
     let at = Positions::left_padded(&pads, 0, width, &Device::Cpu).unwrap();
     let ids: Vec<_> = rows.iter().map(|r| r.0).collect();
-    let hook = RowAdapters::new(set, &ids).unwrap();
-    let hook = if inference {
-        hook.detached_on(&Device::Cpu).unwrap()
-    } else {
-        hook
-    };
-    let out = model
-        .forward(&tokens, &at, None, &hook, Logits::Last)
+    let hook = RowAdapters::new(set, &ids, &Device::Cpu).unwrap();
+    let mut saved = Vec::new();
+    let embeds = model.embed(&tokens).unwrap();
+    let h = model
+        .hidden_states(&embeds, &at, None, &hook, save.then_some(&mut saved))
         .unwrap();
+    assert_eq!(saved.len(), if save { model.config.num_layers } else { 0 });
+    let last = h.narrow(1, width - 1, 1).unwrap();
+    let out = model.head(&last).unwrap();
     out.squeeze(1).unwrap().to_vec2::<f32>().unwrap()
 }
 
@@ -99,10 +100,10 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[test]
-fn inference_kernels_match_the_differentiable_forward() {
-    // Passes that record no gradient use fused kernels for RMSNorm, RoPE,
-    // SwiGLU and the masked softmax; the differentiable forward uses plain
-    // ops. Both must compute the same function.
+fn the_train_steps_forward_equals_the_inference_forward() {
+    // Saving activations sends every LoRA projection through its segments
+    // one by one (keeping `x·Aᵀ`); inference takes the masked concatenated
+    // GEMMs. Both must compute the same function.
     let model = tiny_model();
     let (a, b) = (
         random_adapter(&model, 1, DType::F32),
@@ -114,10 +115,14 @@ fn inference_kernels_match_the_differentiable_forward() {
         (Some(2), vec![9, 8]),
         (None, vec![1, 2, 3]),
     ];
-    let fused = logits_of_pass(&model, &set, &rows, true);
-    let plain = logits_of_pass(&model, &set, &rows, false);
-    for (f, p) in fused.iter().zip(&plain) {
-        assert!(rel_err(f, p) <= 1e-5, "fused vs plain: {}", rel_err(f, p));
+    let inference = logits_of_pass(&model, &set, &rows, false);
+    let saving = logits_of_pass(&model, &set, &rows, true);
+    for (i, s) in inference.iter().zip(&saving) {
+        assert!(
+            rel_err(i, s) <= 1e-5,
+            "inference vs saving: {}",
+            rel_err(i, s)
+        );
     }
 }
 
@@ -580,7 +585,6 @@ fn bad_rows_are_errors_not_panics() {
     let set = AdapterSet::new().with(0, &adapter);
     let err = compute::train_step(&model, &set, &[row], TrainConfig::default()).unwrap_err();
     assert!(err.to_string().contains("mask"), "{err}");
-    let _ = NoLora;
 }
 
 /// Structured decoding: forced text is appended without sampling (the first

@@ -1,4 +1,4 @@
-//! Attention of a decode step (one new token per row, no gradient) in one
+//! Attention of a decode step (one new token per row) in one
 //! pass over the KV cache.
 //!
 //! The general path ([`super::model`]'s `attention`) runs a batched matmul for
@@ -28,13 +28,12 @@ pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Re
 
 /// Whether [`decode_attention`] serves these inputs.
 pub fn applies(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
-    let untracked = !q.track_op() && !k.track_op() && !v.track_op();
     let f32_cpu = [q, k, v]
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == candle_core::DType::F32);
     let packed = [k, v].iter().all(|t| packed_slots(t.stride(), t.dims()));
     let nonempty = [q, k].iter().all(|t| t.dims().iter().all(|&d| d > 0));
-    untracked && f32_cpu && packed && nonempty && q.dims().get(2) == Some(&1)
+    f32_cpu && packed && nonempty && q.dims().get(2) == Some(&1)
 }
 
 struct DecodeAttention {
@@ -199,7 +198,7 @@ mod tests {
     }
 
     #[test]
-    fn serves_only_untracked_single_queries() {
+    fn serves_only_packed_f32_single_queries() {
         let dev = Device::Cpu;
         let q = Tensor::zeros((1, 2, 2, 4), candle_core::DType::F32, &dev).unwrap();
         let k = Tensor::zeros((1, 1, 3, 4), candle_core::DType::F32, &dev).unwrap();

@@ -1,6 +1,6 @@
 //! Matrix products on the CPU through the `gemm` crate (candle's own GEMM),
-//! for tensors that carry no gradient: the train step's hand-written passes
-//! (`compute::tape`), and the no-gradient forward (prefill, scoring).
+//! for tensors that carry no gradient: the model's forward (every pass) and
+//! the train step's hand-written backward (`compute::tape`).
 //!
 //! What differs from `Tensor::matmul`, each measured on the train step
 //! (`populora bench broker`, BENCHMARKS.md):

@@ -1,7 +1,7 @@
 //! Fused CPU kernels of the train step's hand-written forward and backward
 //! (`compute::tape`), in f32 and f64 (the f64 path serves the finite-difference
-//! gradient check), also used by the model's forward when it records no
-//! gradient ([`super::model`]). Each reads its inputs once and writes one new
+//! gradient check); the forwards are the ones the model's one forward runs on
+//! the CPU ([`super::model`]). Each reads its inputs once and writes one new
 //! tensor (the log-prob gradient overwrites its logits instead), in parallel
 //! over rows, where candle would chain several single-pass ops and allocate a
 //! tensor for each. Decode attention and generation's log-probs use their

@@ -27,7 +27,8 @@ pub use chat::{ChatTemplate, Message};
 pub use config::{Arch, ModelConfig, Source};
 pub use error::{Error, Result};
 pub use model::{
-    rms_norm, Block, BlockContext, KvCache, Linear, Llama, Logits, LoraHook, NoLora, Positions,
+    rms_norm, Block, BlockActivations, BlockContext, KvCache, Linear, Llama, Logits, LoraHook,
+    LoraKept, NoLora, Positions,
 };
 pub use target::Target;
 pub use tokenizer::Tokenizer;

@@ -1,5 +1,7 @@
-//! The Llama-family forward pass (Llama, Qwen2), written so that a LoRA delta can
-//! be added to every linear projection and every op carries gradients.
+//! The Llama-family forward pass (Llama, Qwen2), the one every pass runs:
+//! generation (with a KV cache), scoring, and the train step (which asks it to
+//! save the activations its backward, `compute::tape`, reads). A LoRA delta is
+//! added to every linear projection through [`LoraHook`].
 //!
 //! ```text
 //! h₀ = embed(tokens)
@@ -13,20 +15,22 @@
 //!
 //! Rows of a batch may have different lengths: they are left-padded, each row
 //! carries its own RoPE positions, and an additive mask hides padding and the
-//! future. Only differentiable candle ops are used here (no `softmax_last_dim`,
-//! `rms_norm`, `rope`, `QMatMul`): see DESIGN.md "gradient traps". A pass that
-//! records no gradient (generation, scoring) runs the fused kernels of
-//! [`super::kernels`] instead for RMSNorm, RoPE with the head split, the
-//! attention softmax, SwiGLU and the residual additions.
+//! future. No pass records candle autograd (the base is frozen; the train
+//! step's gradients are written out by hand): on the CPU, in f32 or f64, RMSNorm,
+//! RoPE with the head split, the attention softmax, SwiGLU and the residual
+//! additions are the fused kernels of [`super::kernels`], whose backwards
+//! `compute::tape` uses; elsewhere (CUDA) candle's fused ops.
 
-use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, IndexOp, Module, Tensor};
 
 use super::config::ModelConfig;
 use super::decode_attention;
 use super::error::Result;
 use super::gemm;
 use super::kernels::{self, Heads};
-use super::ops::{frozen_matmul, softmax, target_logprobs};
+use super::ops::{frozen_matmul, target_logprobs};
 use super::Target;
 
 /// Added to masked attention scores. Finite so that a fully masked (padding)
@@ -38,18 +42,63 @@ const MASKED: f32 = -1e9;
 pub trait LoraHook {
     /// `y`, the frozen projection `target` of `layer` for input `x`
     /// (`[rows, tokens, in]` → `[rows, tokens, out]`), plus each row's delta
-    /// (`y` itself when no row has an adapter there). Taking `y` lets a hook
-    /// add in the same pass that computes the delta.
-    fn add_delta(&self, layer: usize, target: Target, x: &Tensor, y: Tensor) -> Result<Tensor>;
+    /// (`y` itself when no row has an adapter there). `y` is given up: a hook
+    /// may add into its storage in place. With `keep`, the hook also leaves
+    /// there what its own backward will need.
+    fn add_delta(
+        &self,
+        layer: usize,
+        target: Target,
+        x: &Tensor,
+        y: Tensor,
+        keep: Option<&mut LoraKept>,
+    ) -> Result<Tensor>;
 }
+
+/// What a [`LoraHook`] keeps of one projection for its backward: each
+/// segment's `x·Aᵀ` (`None` where that segment has no delta there).
+pub type LoraKept = Vec<Option<Tensor>>;
 
 /// The hook of the plain base model.
 pub struct NoLora;
 
 impl LoraHook for NoLora {
-    fn add_delta(&self, _: usize, _: Target, _: &Tensor, y: Tensor) -> Result<Tensor> {
+    fn add_delta(
+        &self,
+        _: usize,
+        _: Target,
+        _: &Tensor,
+        y: Tensor,
+        _: Option<&mut LoraKept>,
+    ) -> Result<Tensor> {
         Ok(y)
     }
+}
+
+/// What one block's forward saves for the train step's backward.
+/// Activations are `[tokens, width]` (rows flattened) unless noted.
+#[derive(Debug)]
+pub struct BlockActivations {
+    /// The block's input.
+    pub x: Tensor,
+    /// `RMSNorm(x)`, the input of q, k and v.
+    pub a: Tensor,
+    /// `[rows, heads, n, head_dim]`, after RoPE.
+    pub q: Tensor,
+    /// `[rows, kv_heads, n, head_dim]`, after RoPE.
+    pub k: Tensor,
+    /// `[rows, kv_heads, n, head_dim]`.
+    pub v: Tensor,
+    /// The attention output, the input of o.
+    pub attn: Tensor,
+    /// `x` plus the attention's projection.
+    pub x2: Tensor,
+    /// `RMSNorm(x2)`, the input of gate and up.
+    pub m: Tensor,
+    pub gate: Tensor,
+    pub up: Tensor,
+    /// What the LoRA hook kept of each projection.
+    pub lora: BTreeMap<Target, LoraKept>,
 }
 
 /// A frozen projection `y = x·Wᵀ + b`, `W` `[out, in]`.
@@ -119,7 +168,7 @@ pub struct Llama {
 /// `[rows, kv_heads, slots, head_dim]`. Each layer's buffers keep spare slots
 /// so a decode step writes its new position in place: re-concatenating the
 /// whole cache every step cost a 32-row SmolLM2 step ≈ 75 ms of ≈ 200.
-/// Inference only: the in-place write records no gradient.
+/// Generation only: a train step runs without one.
 #[derive(Debug, Default)]
 pub struct KvCache {
     layers: Vec<Option<LayerCache>>,
@@ -194,12 +243,6 @@ impl KvCache {
     /// Write the new positions' `k`, `v` after the cached ones; returns all
     /// filled positions (views into the buffers).
     fn append(&mut self, layer: usize, k: Tensor, v: Tensor) -> Result<(Tensor, Tensor)> {
-        if k.track_op() || v.track_op() {
-            return Err(candle_core::Error::Msg(
-                "the KV cache is for inference: keys and values must carry no gradient".into(),
-            )
-            .into());
-        }
         let (k, v) = (k.contiguous()?, v.contiguous()?);
         let mut cache = match self.layers[layer].take() {
             Some(cache) => cache,
@@ -371,7 +414,7 @@ impl Llama {
     }
 
     /// The forward from input embeddings `[rows, new, hidden]` (the entry point
-    /// of the finite-difference gradient check).
+    /// of a pass over embeddings built elsewhere).
     pub fn forward_embeds(
         &self,
         embeds: &Tensor,
@@ -380,7 +423,7 @@ impl Llama {
         lora: &dyn LoraHook,
         logits: Logits,
     ) -> Result<Tensor> {
-        let h = self.hidden_states(embeds, at, cache, lora)?;
+        let h = self.hidden_states(embeds, at, cache, lora, None)?;
         let h = match logits {
             Logits::All => h,
             Logits::Last => h.i((.., h.dim(1)? - 1..))?,
@@ -389,18 +432,36 @@ impl Llama {
     }
 
     /// The last block's output `[rows, new, hidden]`, before the final norm.
+    /// With `save`, each block's [`BlockActivations`] are pushed there, first
+    /// block first (the train step; no cache then).
     pub fn hidden_states(
         &self,
         embeds: &Tensor,
         at: &Positions,
         mut cache: Option<&mut KvCache>,
         lora: &dyn LoraHook,
+        mut save: Option<&mut Vec<BlockActivations>>,
     ) -> Result<Tensor> {
+        if save.is_some() && cache.is_some() {
+            return Err(candle_core::Error::Msg(
+                "a pass that saves activations for the backward cannot continue a KV cache".into(),
+            )
+            .into());
+        }
         let shared = self.block_context(at, embeds.dtype())?;
         let mut h = embeds.clone();
-        for (layer, block) in self.blocks.iter().enumerate() {
-            let cache = cache.as_deref_mut();
-            h = self.block_forward(layer, block, &h, &shared, cache, lora)?;
+        for layer in 0..self.blocks.len() {
+            let pass = BlockPass {
+                model: self,
+                layer,
+                ctx: &shared,
+                lora,
+            };
+            let (y, saved) = pass.forward(h, cache.as_deref_mut(), save.is_some())?;
+            if let (Some(save), Some(saved)) = (save.as_deref_mut(), saved) {
+                save.push(saved);
+            }
+            h = y;
         }
         Ok(h)
     }
@@ -428,44 +489,10 @@ impl Llama {
 
     /// `log p(target | prefix)` for last-block outputs `h` `[n, hidden]` and
     /// one target token per row: `[n]`, without forming `[n, vocab]` logits
-    /// all at once or the head's weight gradient.
+    /// all at once.
     pub fn target_logprobs(&self, h: &Tensor, targets: &[u32]) -> Result<Tensor> {
         let h = rms_norm(h, &self.final_norm, self.config.rms_norm_eps)?;
         Ok(target_logprobs(&h, &self.lm_head, targets)?)
-    }
-
-    fn block_forward(
-        &self,
-        layer: usize,
-        block: &Block,
-        h: &Tensor,
-        shared: &BlockContext,
-        cache: Option<&mut KvCache>,
-        lora: &dyn LoraHook,
-    ) -> Result<Tensor> {
-        let BlockContext { cos, sin, mask } = shared;
-        let proj = |target: Target, x: &Tensor| -> Result<Tensor> {
-            lora.add_delta(layer, target, x, block.linear(target).forward(x)?)
-        };
-        let cfg = &self.config;
-        let (rows, n, _) = h.dims3()?;
-        let (heads, kv_heads, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-
-        let a = rms_norm(h, &block.attn_norm, cfg.rms_norm_eps)?;
-        let q = split_rope(&proj(Target::Q, &a)?, heads, hd, cos, sin)?;
-        let k = split_rope(&proj(Target::K, &a)?, kv_heads, hd, cos, sin)?;
-        let v = split_heads(&proj(Target::V, &a)?, kv_heads, hd)?;
-        let (k, v) = match cache {
-            Some(c) => c.append(layer, k, v)?,
-            None => (k, v),
-        };
-        let attn = attention(&q, &k, &v, mask, kv_heads)?;
-        let attn = attn.transpose(1, 2)?.reshape((rows, n, heads * hd))?;
-        let h = residual(h, &proj(Target::O, &attn)?)?;
-
-        let m = rms_norm(&h, &block.mlp_norm, cfg.rms_norm_eps)?;
-        let gated = swiglu(&proj(Target::Gate, &m)?, &proj(Target::Up, &m)?)?;
-        residual(&h, &proj(Target::Down, &gated)?)
     }
 
     /// cos/sin for each row's positions: `[rows, 1, new, head_dim/2]`.
@@ -478,6 +505,81 @@ impl Llama {
                 .reshape((rows, 1, n, self.config.head_dim / 2))?)
         };
         Ok((gather(&self.rope_cos)?, gather(&self.rope_sin)?))
+    }
+}
+
+/// One block of one pass.
+struct BlockPass<'a> {
+    model: &'a Llama,
+    layer: usize,
+    ctx: &'a BlockContext,
+    lora: &'a dyn LoraHook,
+}
+
+impl BlockPass<'_> {
+    /// The block's output for input `h` `[rows, new, hidden]`, continuing
+    /// `cache` when given, and with `save` what the backward needs.
+    fn forward(
+        &self,
+        h: Tensor,
+        cache: Option<&mut KvCache>,
+        save: bool,
+    ) -> Result<(Tensor, Option<BlockActivations>)> {
+        let cfg = &self.model.config;
+        let block = &self.model.blocks[self.layer];
+        let BlockContext { cos, sin, mask } = self.ctx;
+        let (rows, n, _) = h.dims3()?;
+        let (heads, kv_heads, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let eps = cfg.rms_norm_eps;
+        let mut kept = save.then(BTreeMap::new);
+        let mut proj = |target: Target, x: &Tensor| -> Result<Tensor> {
+            let y = block.linear(target).forward(x)?;
+            let Some(kept) = kept.as_mut() else {
+                return self.lora.add_delta(self.layer, target, x, y, None);
+            };
+            let mut keep = LoraKept::new();
+            let y = self
+                .lora
+                .add_delta(self.layer, target, x, y, Some(&mut keep))?;
+            kept.insert(target, keep);
+            Ok(y)
+        };
+
+        let a = rms_norm(&h, &block.attn_norm, eps)?;
+        let q = split_rope(&proj(Target::Q, &a)?, heads, hd, cos, sin)?;
+        let k = split_rope(&proj(Target::K, &a)?, kv_heads, hd, cos, sin)?;
+        let v = split_heads(&proj(Target::V, &a)?, kv_heads, hd)?;
+        let (all_k, all_v) = match cache {
+            Some(c) => c.append(self.layer, k.clone(), v.clone())?,
+            None => (k.clone(), v.clone()),
+        };
+        let attn = attention(&q, &all_k, &all_v, mask, kv_heads)?;
+        let attn = attn.transpose(1, 2)?.reshape((rows, n, heads * hd))?;
+        let x2 = residual(&h, &proj(Target::O, &attn)?)?;
+
+        let m = rms_norm(&x2, &block.mlp_norm, eps)?;
+        let gate = proj(Target::Gate, &m)?;
+        let up = proj(Target::Up, &m)?;
+        let y = residual(&x2, &proj(Target::Down, &swiglu(&gate, &up)?)?)?;
+
+        let Some(lora) = kept else {
+            return Ok((y, None));
+        };
+        let tokens = |t: Tensor| t.reshape((rows * n, ()));
+        let saved = BlockActivations {
+            x: tokens(h)?,
+            a: tokens(a)?,
+            q,
+            k,
+            v,
+            attn: tokens(attn)?,
+            x2: tokens(x2)?,
+            m: tokens(m)?,
+            gate: tokens(gate)?,
+            up: tokens(up)?,
+            lora,
+        };
+        Ok((y, Some(saved)))
     }
 }
 
@@ -495,51 +597,42 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     Ok((freqs.cos()?, freqs.sin()?))
 }
 
-/// Whether `t` can go through the fused kernels: f32 on the CPU, with no
-/// gradient to record (they have no backward in candle's graph).
-fn fusable(t: &Tensor) -> bool {
-    !t.track_op() && t.dtype() == DType::F32 && t.device().is_cpu()
+/// The dtype of `t` when it can go through our kernels (f32 or f64 on the
+/// CPU); `None` sends it to candle's ops.
+fn kernel_dtype(t: &Tensor) -> Option<DType> {
+    let real = matches!(t.dtype(), DType::F32 | DType::F64);
+    (real && t.device().is_cpu()).then_some(t.dtype())
 }
 
-/// RMSNorm: `x / √(mean(x²) + ε) · w`. The fused kernels (here ours in f32
-/// on the CPU and candle's elsewhere, likewise for RoPE in [`split_rope`])
-/// have no backward, so they serve only passes that record no gradient; the
-/// plain-op form keeps this forward differentiable (the train step has its
-/// own kernels and backward, `compute::tape`).
+/// RMSNorm: `x / √(mean(x²) + ε) · w`.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if fusable(x) && fusable(weight) {
-        return Ok(kernels::rms_norm::<f32>(&x.contiguous()?, weight, eps)?);
-    }
-    if !x.track_op() && !weight.track_op() && x.dtype() == DType::F32 {
-        return Ok(candle_nn::ops::rms_norm(
-            &x.contiguous()?,
-            weight,
-            eps as f32,
-        )?);
-    }
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
-    Ok(normed.broadcast_mul(weight)?)
+    let x = x.contiguous()?;
+    Ok(match kernel_dtype(&x) {
+        Some(DType::F32) => kernels::rms_norm::<f32>(&x, weight, eps)?,
+        Some(_) => kernels::rms_norm::<f64>(&x, weight, eps)?,
+        None => candle_nn::ops::rms_norm(&x, weight, eps as f32)?,
+    })
 }
 
-/// `h + y`: without a gradient, one vectorised pass on the same threads as
-/// the rest of the pass's kernels.
+/// `h + y`, on the CPU in one vectorised pass on the same threads as the rest
+/// of the pass's kernels.
 fn residual(h: &Tensor, y: &Tensor) -> Result<Tensor> {
-    if fusable(h) && fusable(y) {
-        return Ok(kernels::add::<f32>(&h.contiguous()?, &y.contiguous()?)?);
-    }
-    Ok((h + y)?)
+    let (h, y) = (h.contiguous()?, y.contiguous()?);
+    Ok(match kernel_dtype(&h) {
+        Some(DType::F32) => kernels::add::<f32>(&h, &y)?,
+        Some(_) => kernels::add::<f64>(&h, &y)?,
+        None => (h + y)?,
+    })
 }
 
 /// SwiGLU's product `silu(gate) ⊙ up`.
 fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if fusable(gate) && fusable(up) {
-        return Ok(kernels::swiglu::<f32>(
-            &gate.contiguous()?,
-            &up.contiguous()?,
-        )?);
-    }
-    Ok((gate.silu()? * up)?)
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    Ok(match kernel_dtype(&gate) {
+        Some(DType::F32) => kernels::swiglu::<f32>(&gate, &up)?,
+        Some(_) => kernels::swiglu::<f64>(&gate, &up)?,
+        None => (gate.silu()? * up)?,
+    })
 }
 
 /// A projection `[rows, new, heads·head_dim]` split into heads:
@@ -551,8 +644,7 @@ fn split_heads(t: &Tensor, heads: usize, head_dim: usize) -> Result<Tensor> {
         .contiguous()?)
 }
 
-/// [`split_heads`] then [`rope`], in one fused pass when no gradient is
-/// recorded.
+/// [`split_heads`] then HF ("rotate half") RoPE, on the CPU in one fused pass.
 fn split_rope(
     t: &Tensor,
     heads: usize,
@@ -561,9 +653,14 @@ fn split_rope(
     sin: &Tensor,
 ) -> Result<Tensor> {
     let (rows, n, _) = t.dims3()?;
-    if !fusable(t) || rows * n == 0 {
-        return rope(&split_heads(t, heads, head_dim)?, cos, sin);
+    if rows * n == 0 {
+        return split_heads(t, heads, head_dim);
     }
+    let Some(dtype) = kernel_dtype(t) else {
+        let flat = |c: &Tensor| c.reshape((rows, n, head_dim / 2));
+        let x = split_heads(t, heads, head_dim)?;
+        return Ok(candle_nn::rotary_emb::rope(&x, &flat(cos)?, &flat(sin)?)?);
+    };
     let shape = Heads {
         rows,
         n,
@@ -572,22 +669,10 @@ fn split_rope(
     };
     let flat = t.reshape((rows * n, heads * head_dim))?.contiguous()?;
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-    Ok(kernels::rope_heads::<f32>(&flat, &cos, &sin, shape)?)
-}
-
-/// HF ("rotate half") RoPE on `[rows, heads, new, head_dim]`.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if !x.track_op() {
-        let (rows, _, n, half) = cos.dims4()?;
-        let flat = |t: &Tensor| t.reshape((rows, n, half));
-        return Ok(candle_nn::rotary_emb::rope(x, &flat(cos)?, &flat(sin)?)?);
-    }
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let r1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-    let r2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-    Ok(Tensor::cat(&[r1, r2], D::Minus1)?)
+    Ok(match dtype {
+        DType::F32 => kernels::rope_heads::<f32>(&flat, &cos, &sin, shape)?,
+        _ => kernels::rope_heads::<f64>(&flat, &cos, &sin, shape)?,
+    })
 }
 
 /// Grouped-query attention. Query heads come in groups that share one KV head,
@@ -601,20 +686,20 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, kv_heads: usize)
     let slots = k.dim(2)?;
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f64).sqrt();
-    let fused = fusable(q) && fusable(k) && fusable(mask) && q.elem_count() > 0 && slots > 0;
+    let fused = kernel_dtype(q).filter(|_| q.elem_count() > 0 && slots > 0);
     // Unfused, scaling q rather than the scores touches n·hd values instead
     // of n·slots; fused, scale, mask and softmax are one pass over the scores.
-    let q = if fused {
-        q.clone()
-    } else {
-        (q / (hd as f64).sqrt())?
+    let q = match fused {
+        Some(_) => q.clone(),
+        None => (q * scale)?,
     };
     let q = q.reshape((rows, kv_heads, group * n, hd))?;
     let scores = gemm::matmul(&q, &k.t()?)?.reshape((rows, heads, n, slots))?;
-    let probs = if fused {
-        kernels::masked_softmax::<f32>(&scores, &mask.contiguous()?, scale)?
-    } else {
-        softmax(&scores.broadcast_add(mask)?)?
+    let mask = mask.contiguous()?;
+    let probs = match fused {
+        Some(DType::F32) => kernels::masked_softmax::<f32>(&scores, &mask, scale)?,
+        Some(_) => kernels::masked_softmax::<f64>(&scores, &mask, scale)?,
+        None => candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?,
     };
     let probs = probs.reshape((rows, kv_heads, group * n, slots))?;
     Ok(gemm::matmul(&probs, v)?.reshape((rows, heads, n, hd))?)

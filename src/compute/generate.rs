@@ -254,7 +254,7 @@ fn decode(
     let mut cache = KvCache::new(model.config.num_layers);
     let hook_for = |active: &[Row]| {
         let ids: Vec<_> = active.iter().map(|r| r.request.adapter).collect();
-        RowAdapters::new(adapters, &ids).and_then(|hook| hook.detached_on(&device))
+        RowAdapters::new(adapters, &ids, &device)
     };
     let mut hook = hook_for(&active)?;
     let mut width = longest;

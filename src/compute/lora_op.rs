@@ -86,7 +86,10 @@ impl TokenSlots {
 
 /// `Δ [T, out]` for `x [T, in]`, `a [n·r, in]` (the adapters' A side by side)
 /// and `b [n·r, out]` (their scaled Bᵀ), each token row against block
-/// `slots[t]`. Gradients flow to all three when they are tracked.
+/// `slots[t]`. Gradients flow to all three when they are tracked: no pass
+/// tracks them today (the train step runs on the CPU with its own backward,
+/// `compute::tape`); the backward and its CUDA kernel are kept, tested
+/// against finite differences, for a train step on the GPU.
 pub fn lora_delta(
     x: &Tensor,
     a: &Tensor,

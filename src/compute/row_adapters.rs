@@ -1,4 +1,5 @@
-//! Per-row adapters: the LoRA hook of a mixed batch.
+//! Per-row adapters: the LoRA of a mixed batch, for every pass (generation,
+//! scoring, the train step) and its backward.
 //!
 //! For every module, the factors of the adapters a batch uses are concatenated
 //! once along the rank axis (`A_cat [n·r, in]`, `B_cat [out, n·r]`, B
@@ -8,31 +9,39 @@
 //! The extra shrink work is `n·r` columns instead of `r`, small next to the
 //! frozen projection, and two large GEMMs beat many tiny per-adapter ones on a
 //! CPU. Masked coordinates are exact zeros, so each row equals its
-//! single-adapter pass. Gradients flow through the concatenation back to each
-//! adapter's factors.
+//! single-adapter pass.
 //!
 //! The mask costs n times the shrink and expand FLOPs. That is less than the
 //! fixed costs of a GEMM pair per adapter until an adapter's rows hold about a
 //! thousand tokens ([`MIN_SEGMENT_TOKENS`]); from there, as in scoring long
 //! sequences, each run of rows sharing an adapter (SGMV's segments) is shrunk
-//! and expanded with its own factors only. An f32 decode
-//! step without gradient (one token per row) skips both for one fused pass
-//! ([`kernels::row_lora`]). The train step does not use this hook: it has its
-//! own per-segment LoRA with a hand-written backward (`tape::SegmentLora`).
+//! and expanded with its own factors only, side by side on rayon's threads.
+//! An f32 decode step (one token per row) skips both for one fused pass
+//! ([`kernels::row_lora`]). All three compute the same delta.
 //!
-//! On a GPU every pass goes through [`lora_delta`]: our SGMV kernels shrink
+//! The train step's forward asks the hook to keep what its backward needs:
+//! then every projection goes segment by segment, each segment's `u = x·Aᵀ`
+//! kept, and [`RowAdapters::factor_grads`] later adds `∂A = (∂y·s·B)ᵀ·x` and
+//! `∂B = s·∂yᵀ·u` to that adapter's gradients and the LoRA part of `∂x`.
+//!
+//! On a GPU every inference pass goes through [`lora_delta`]: our SGMV kernels shrink
 //! and expand each row against its own adapter's block only, in one launch
 //! each, so the masked GEMMs' n-fold work is never done there.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::sync::Mutex;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, WithDType, D};
+use rayon::prelude::*;
 
 use super::lora_op::{lora_delta, TokenSlots, NO_SLOT};
-use crate::base::Target;
-use crate::base::{gemm, kernels, LoraHook, ModelConfig};
-use crate::lora::{Adapter, ModuleKey};
+use crate::base::gemm::{self, Threads};
+use crate::base::kernels::{self, Real};
+use crate::base::{LoraHook, LoraKept, ModelConfig, Target};
+use crate::lora::{Adapter, AdapterGrads, ModuleKey};
 
 /// Our own adapter id (a member id in the runtime). Ordered, so batches are too.
 pub type AdapterId = u64;
@@ -92,6 +101,26 @@ impl<'a> AdapterSet<'a> {
 struct ModuleFactors {
     a: Tensor,
     b_t: Tensor,
+    /// Whether each slot's adapter has this module (its block is zeros if not).
+    present: Vec<bool>,
+}
+
+impl ModuleFactors {
+    /// Slot `slot`'s `A [r, in]` and `(s·B)ᵀ [r, out]`, `r` the batch's rank.
+    fn of_slot(&self, slot: usize, rank: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        Ok((
+            self.a.narrow(0, slot * rank, rank)?,
+            self.b_t.narrow(0, slot * rank, rank)?,
+        ))
+    }
+}
+
+/// The adapter in one slot of the concatenation.
+#[derive(Debug, Clone, Copy)]
+struct SlotAdapter {
+    id: AdapterId,
+    rank: usize,
+    scale: f64,
 }
 
 /// A run of consecutive rows that share one adapter (`slot` in the batch's
@@ -121,14 +150,23 @@ pub struct RowAdapters {
     rank: usize,
     /// Each row's block in the concatenation, [`NO_SLOT`] for none.
     row_slots: Vec<u32>,
-    /// Adapters in the concatenation.
-    blocks: usize,
+    /// The adapters in the concatenation, by slot.
+    slots: Vec<SlotAdapter>,
     /// The GPU path's per-token slots of the last token count seen.
     token_slots: Mutex<Option<TokenSlots>>,
 }
 
 impl RowAdapters {
-    pub fn new(set: &AdapterSet, rows: &[Option<AdapterId>]) -> super::Result<Self> {
+    /// The hook for a batch whose row `i` uses adapter `rows[i]` (rows sharing
+    /// one adjacent), with the factors cut loose from the adapters' `Var`s and
+    /// placed on `device` (the model's). Where no copy is needed (one adapter
+    /// at the batch's rank, on its own device) they share the `Var`s'
+    /// storage: build a hook per pass, not across an update.
+    pub fn new(
+        set: &AdapterSet,
+        rows: &[Option<AdapterId>],
+        device: &Device,
+    ) -> super::Result<Self> {
         let mut used: Vec<AdapterId> = Vec::new();
         for (row, &adapter) in rows.iter().enumerate() {
             if let Some(id) = adapter {
@@ -150,8 +188,12 @@ impl RowAdapters {
         for key in keys {
             let (a_cat, b_cat) = concatenated(&adapters, key, rank)?;
             let factors = ModuleFactors {
-                a: a_cat.contiguous()?,
-                b_t: b_cat.t()?.contiguous()?,
+                a: a_cat.to_device(device)?.contiguous()?,
+                b_t: b_cat.t()?.to_device(device)?.contiguous()?,
+                present: adapters
+                    .iter()
+                    .map(|a| a.modules.contains_key(&key))
+                    .collect(),
             };
             modules.insert(key, factors);
         }
@@ -165,13 +207,22 @@ impl RowAdapters {
             .iter()
             .flat_map(|seg| std::iter::repeat_n(seg.slot.map_or(NO_SLOT, |s| s as u32), seg.rows))
             .collect();
+        let slots = used
+            .iter()
+            .zip(&adapters)
+            .map(|(&id, a)| SlotAdapter {
+                id,
+                rank: a.config.rank,
+                scale: a.scale(),
+            })
+            .collect();
         Ok(RowAdapters {
             modules,
             mask,
             segments,
             rank,
             row_slots,
-            blocks: used.len(),
+            slots,
             token_slots: Mutex::new(None),
         })
     }
@@ -190,12 +241,12 @@ impl RowAdapters {
             .iter()
             .flat_map(|&k| std::iter::repeat_n(k, tokens))
             .collect();
-        let slots = TokenSlots::new(slots, self.blocks, device)?;
+        let slots = TokenSlots::new(slots, self.slots.len(), device)?;
         *cached = Some(slots.clone());
         Ok(slots)
     }
 
-    /// `y + Δ` through the SGMV kernels (any token count, gradients tracked).
+    /// `y + Δ` through the SGMV kernels (any token count).
     fn sgmv_add(&self, f: &ModuleFactors, x: &Tensor, y: Tensor) -> candle_core::Result<Tensor> {
         let (rows, tokens, in_dim) = x.dims3()?;
         let slots = self.token_slots(tokens, x.device())?;
@@ -207,35 +258,6 @@ impl RowAdapters {
             self.rank,
         )?;
         y + delta.reshape((rows, tokens, ()))?
-    }
-
-    /// The same factors cut loose from the adapters' `Var`s and placed on
-    /// `device` (the model's), for passes that take no gradient. Without the
-    /// cut every activation computed from a LoRA factor records its inputs for
-    /// backprop, and a KV cache built step by step keeps the whole
-    /// generation's graph alive (tens of GB).
-    pub fn detached_on(&self, device: &Device) -> super::Result<Self> {
-        let place = |t: &Tensor| t.detach().to_device(device);
-        let modules = self
-            .modules
-            .iter()
-            .map(|(&key, m)| {
-                let factors = ModuleFactors {
-                    a: place(&m.a)?,
-                    b_t: place(&m.b_t)?,
-                };
-                Ok((key, factors))
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(RowAdapters {
-            modules,
-            mask: self.mask.as_ref().map(place).transpose()?,
-            segments: self.segments.clone(),
-            rank: self.rank,
-            row_slots: self.row_slots.clone(),
-            blocks: self.blocks,
-            token_slots: Mutex::new(None),
-        })
     }
 
     /// `Δ` for all rows at once: shrink against every adapter of the batch,
@@ -253,7 +275,7 @@ impl RowAdapters {
         gemm::matmul(&shrunk, &f.b_t)
     }
 
-    /// `y + Δ` of a decode step (one token per row, no gradient, f32) in
+    /// `y + Δ` of a decode step (one token per row, f32 on the CPU) in
     /// one fused pass; `y` is `[rows, out]`.
     fn decode_add(&self, f: &ModuleFactors, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
         let (rows, _, in_dim) = x.dims3()?;
@@ -264,29 +286,6 @@ impl RowAdapters {
             .flat_map(|seg| std::iter::repeat_n(seg.slot, seg.rows))
             .collect();
         kernels::row_lora(&x, &f.a, &f.b_t, &slots, self.rank, &y.contiguous()?)
-    }
-
-    /// `Δ` one segment at a time: each run of rows against its own adapter's
-    /// factors only (rows are grouped by adapter by every caller).
-    fn segmented_delta(&self, f: &ModuleFactors, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (_, tokens, in_dim) = x.dims3()?;
-        let out_dim = f.b_t.dim(1)?;
-        let parts = self
-            .segments
-            .iter()
-            .map(|seg| {
-                let Some(slot) = seg.slot else {
-                    return Tensor::zeros((seg.rows * tokens, out_dim), x.dtype(), x.device());
-                };
-                let x = x
-                    .narrow(0, seg.start, seg.rows)?
-                    .reshape((seg.rows * tokens, in_dim))?;
-                let a = f.a.narrow(0, slot * self.rank, self.rank)?;
-                let b_t = f.b_t.narrow(0, slot * self.rank, self.rank)?;
-                gemm::matmul(&gemm::matmul(&x, &a.t()?)?, &b_t)
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Tensor::cat(&parts, 0)
     }
 }
 
@@ -334,8 +333,8 @@ fn scaled(
         return Ok(None);
     };
     let pad = rank - adapter.config.rank;
-    let a = m.a.as_tensor().pad_with_zeros(0, 0, pad)?;
-    let b = (m.b.as_tensor() * adapter.scale())?.pad_with_zeros(1, 0, pad)?;
+    let a = m.a.as_tensor().detach().pad_with_zeros(0, 0, pad)?;
+    let b = (m.b.as_tensor().detach() * adapter.scale())?.pad_with_zeros(1, 0, pad)?;
     Ok(Some((a, b)))
 }
 
@@ -370,30 +369,264 @@ impl LoraHook for RowAdapters {
         target: Target,
         x: &Tensor,
         y: Tensor,
+        keep: Option<&mut LoraKept>,
     ) -> crate::base::Result<Tensor> {
-        let Some(f) = self.modules.get(&ModuleKey { layer, target }) else {
+        let key = ModuleKey { layer, target };
+        let Some(f) = self.modules.get(&key) else {
+            if let Some(keep) = keep {
+                keep.clear();
+            }
             return Ok(y);
         };
+        if let Some(keep) = keep {
+            return Ok(self.segments_add(f, x, y, keep)?);
+        }
         if x.device().is_cuda() {
             return Ok(self.sgmv_add(f, x, y)?);
         }
         let (rows, tokens, _) = x.dims3()?;
-        let untracked = [x, &y, &f.a, &f.b_t].iter().all(|t| !t.track_op());
         let f32_cpu = [x, &y]
             .iter()
             .all(|t| t.dtype() == DType::F32 && t.device().is_cpu());
-        if tokens == 1 && untracked && f32_cpu {
+        if tokens == 1 && f32_cpu {
             let out = self.decode_add(f, x, &y.reshape((rows, ()))?)?;
             return Ok(out.reshape(y.shape())?);
         }
-        let delta =
-            if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
-                self.segmented_delta(f, x)?
-            } else {
-                self.masked_delta(f, x)?
-            };
+        if self.mask.is_some() && rows * tokens >= MIN_SEGMENT_TOKENS * self.segments.len() {
+            return Ok(self.segments_add(f, x, y, &mut LoraKept::new())?);
+        }
+        let delta = self.masked_delta(f, x)?;
         Ok((y + delta.reshape((rows, tokens, delta.dim(D::Minus1)?))?)?)
     }
+}
+
+fn unsupported(y: &Tensor) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "per-segment LoRA (the train step, long segments) runs in f32 or f64 on the CPU, \
+         not {:?} on {:?}",
+        y.dtype(),
+        y.device().location()
+    ))
+}
+
+impl RowAdapters {
+    /// `y + Δ` one segment at a time, each run of rows against its own
+    /// adapter's factors only, keeping each segment's `u = x·Aᵀ` in `keep`
+    /// for [`Self::factor_grads`]. `x` `[rows, tokens, in]` and `y` in f32
+    /// or f64 on the CPU; `y` is added into in place.
+    fn segments_add(
+        &self,
+        f: &ModuleFactors,
+        x: &Tensor,
+        y: Tensor,
+        keep: &mut LoraKept,
+    ) -> candle_core::Result<Tensor> {
+        if !(x.device().is_cpu() && matches!(y.dtype(), DType::F32 | DType::F64)) {
+            return Err(unsupported(&y));
+        }
+        let (rows, tokens, in_dim) = x.dims3()?;
+        let x = x.reshape((rows * tokens, in_dim))?;
+        let threads = self.segment_threads();
+        *keep = self.each_segment::<f32, _>(tokens, None, |_, seg, range, _| {
+            let Some(slot) = seg.slot.filter(|&slot| f.present[slot]) else {
+                return Ok(None);
+            };
+            let (a, _) = f.of_slot(slot, self.rank)?;
+            let x = x.narrow(0, range.start, range.len())?;
+            Ok(Some(product(&x, &a.t()?, threads)?))
+        })?;
+        let y = y.contiguous()?;
+        let expand = ExpandSegments {
+            hook: self,
+            factors: f,
+            kept: keep,
+            tokens,
+        };
+        y.inplace_op1(&expand)?;
+        Ok(y)
+    }
+
+    /// Adds each segment's factor gradients of `key` to `grads`, given the
+    /// projection's input `x` `[tokens, in]`, what [`Self::segments_add`] kept
+    /// and the output gradient `dy` `[tokens, out]`; adds the LoRA part of
+    /// `∂x` into `dx` (`[tokens, in]` values) when given.
+    pub fn factor_grads<T: Real>(
+        &self,
+        key: ModuleKey,
+        x: &Tensor,
+        kept: &LoraKept,
+        dy: &Tensor,
+        dx: Option<&mut [T]>,
+        grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    ) -> super::Result<()> {
+        let Some(f) = self.modules.get(&key) else {
+            return Ok(());
+        };
+        let (n, in_dim) = x.dims2()?;
+        let rows = self.row_slots.len();
+        if rows == 0 || n % rows != 0 || dy.dim(0)? != n || kept.len() != self.segments.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "LoRA backward of {key}: x has {n} tokens and dy {} for {rows} rows, \
+                 {} kept values for {} segments",
+                dy.dim(0)?,
+                kept.len(),
+                self.segments.len()
+            ))
+            .into());
+        }
+        let tokens = n / rows;
+        let threads = self.segment_threads();
+        let parts = self.each_segment(tokens, dx.map(|dx| (dx, in_dim)), |k, seg, range, dx| {
+            let u = kept.get(k).and_then(Option::as_ref);
+            let (Some(slot), Some(u)) = (seg.slot, u) else {
+                return Ok(None);
+            };
+            let (a, b_t) = f.of_slot(slot, self.rank)?;
+            let dy = dy.narrow(0, range.start, range.len())?;
+            let du = product(&dy, &b_t.t()?, threads)?;
+            let da = product(&du.t()?, &x.narrow(0, range.start, range.len())?, threads)?;
+            let db = (product(&dy.t()?, u, threads)? * self.slots[slot].scale)?;
+            if let Some(dx) = dx {
+                gemm::add_product(dx, &du, &a, threads)?;
+            }
+            let r = self.slots[slot].rank;
+            Ok(Some((
+                slot,
+                da.narrow(0, 0, r)?,
+                db.narrow(1, 0, r)?.contiguous()?,
+            )))
+        })?;
+        for (slot, da, db) in parts.into_iter().flatten() {
+            add_grads(grads, self.slots[slot].id, key, da, db)?;
+        }
+        Ok(())
+    }
+
+    /// Threads for each segment's products: the calling one when the segments
+    /// side by side fill rayon's pool, else the whole pool (one long segment
+    /// on a 16-thread machine).
+    fn segment_threads(&self) -> Threads {
+        if self.segments.len() >= rayon::current_num_threads() {
+            Threads::One
+        } else {
+            Threads::All
+        }
+    }
+
+    /// `f(k, segment k, its token range, its rows of values)` for every segment,
+    /// side by side on rayon's threads, results in segment order. `values` is `[rows·tokens,
+    /// width]` row-major; without it `f` gets `None`.
+    fn each_segment<T: Send, R: Send>(
+        &self,
+        tokens: usize,
+        values: Option<(&mut [T], usize)>,
+        f: impl Fn(usize, &Segment, Range<usize>, Option<&mut [T]>) -> candle_core::Result<R> + Sync,
+    ) -> candle_core::Result<Vec<R>> {
+        let ranges: Vec<Range<usize>> = self
+            .segments
+            .iter()
+            .map(|seg| seg.start * tokens..(seg.start + seg.rows) * tokens)
+            .collect();
+        let mut blocks: Vec<Option<&mut [T]>> = Vec::with_capacity(ranges.len());
+        match values {
+            None => blocks.resize_with(ranges.len(), || None),
+            Some((mut rest, width)) => {
+                let end = ranges.last().map_or(0, |r| r.end);
+                if rest.len() != end * width {
+                    candle_core::bail!(
+                        "{} values of width {width} for {} rows of {tokens} tokens",
+                        rest.len(),
+                        self.row_slots.len()
+                    );
+                }
+                // Segments tile the rows in order.
+                for range in &ranges {
+                    let (block, tail) = rest.split_at_mut(range.len() * width);
+                    blocks.push(Some(block));
+                    rest = tail;
+                }
+            }
+        }
+        self.segments
+            .par_iter()
+            .zip(ranges)
+            .zip(blocks)
+            .enumerate()
+            .map(|(k, ((seg, range), block))| f(k, seg, range, block))
+            .collect()
+    }
+}
+
+/// `y += u·(s·B)ᵀ` for every segment's kept `u`, in `y`'s own storage: a
+/// projection's output is fresh and held nowhere else, and writing into it
+/// spares a `[tokens, out]` copy per projection in the train step.
+struct ExpandSegments<'a> {
+    hook: &'a RowAdapters,
+    factors: &'a ModuleFactors,
+    kept: &'a LoraKept,
+    tokens: usize,
+}
+
+impl ExpandSegments<'_> {
+    fn add<T: WithDType>(&self, y: &mut [T], width: usize) -> candle_core::Result<()> {
+        let rank = self.hook.rank;
+        let threads = self.hook.segment_threads();
+        self.hook
+            .each_segment(self.tokens, Some((y, width)), |k, seg, _, y| {
+                let (Some(slot), Some(u), Some(y)) = (seg.slot, &self.kept[k], y) else {
+                    return Ok(());
+                };
+                let (_, b_t) = self.factors.of_slot(slot, rank)?;
+                gemm::add_product(y, u, &b_t, threads)
+            })
+            .map(drop)
+    }
+}
+
+impl InplaceOp1 for ExpandSegments<'_> {
+    fn name(&self) -> &'static str {
+        "lora-expand-segments"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let (Some((start, end)), Some(&width)) =
+            (layout.contiguous_offsets(), layout.dims().last())
+        else {
+            candle_core::bail!("lora-expand-segments: y must be contiguous");
+        };
+        match storage {
+            CpuStorage::F32(y) => self.add(&mut y[start..end], width),
+            CpuStorage::F64(y) => self.add(&mut y[start..end], width),
+            other => candle_core::bail!("lora-expand-segments: y is {:?}", other.dtype()),
+        }
+    }
+}
+
+fn product(a: &Tensor, b: &Tensor, threads: Threads) -> candle_core::Result<Tensor> {
+    match threads {
+        Threads::All => gemm::matmul(a, b),
+        Threads::One => gemm::matmul_serial(a, b),
+    }
+}
+
+fn add_grads(
+    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    id: AdapterId,
+    key: ModuleKey,
+    da: Tensor,
+    db: Tensor,
+) -> candle_core::Result<()> {
+    match grads.entry(id).or_default().entry(key) {
+        Entry::Occupied(mut e) => {
+            let (a, b) = e.get_mut();
+            *a = (&*a + da)?;
+            *b = (&*b + db)?;
+        }
+        Entry::Vacant(e) => {
+            e.insert((da, db));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -403,20 +636,28 @@ mod tests {
     use crate::lora::LoraConfig;
     use candle_core::{DType, Device, Var};
 
-    /// The segmented path (prefill, training) and the masked path (decode)
-    /// give the same deltas and the same factor gradients.
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        d.to_scalar::<f32>().unwrap()
+    }
+
+    /// Every path computes the same delta: the masked concatenation (short
+    /// batches), the fused decode step and a GEMM pair per segment (long
+    /// segments, the train step); and the per-segment path's gradients
+    /// equal candle's autograd of the plain `x·Aᵀ·(s·B)ᵀ`, also for an
+    /// adapter of smaller rank than the batch's.
     #[test]
-    fn segments_and_mask_agree_in_value_and_gradient() {
+    fn every_path_gives_the_same_delta_and_the_kept_path_the_right_gradients() {
         let model = tiny::build(&TinySpec::default()).unwrap().0;
-        let config = LoraConfig {
-            rank: 2,
-            ..LoraConfig::default()
-        };
-        let adapters: Vec<Adapter> = (0..2)
-            .map(|seed| {
+        let adapters: Vec<Adapter> = [(1, 2), (2, 3)]
+            .into_iter()
+            .map(|(seed, rank)| {
+                let config = LoraConfig {
+                    rank,
+                    ..LoraConfig::default()
+                };
                 let mut rng = crate::rng::stream(seed, &["segments".into()]);
-                let a =
-                    Adapter::new(config.clone(), &model.config, &mut rng, &Device::Cpu).unwrap();
+                let a = Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap();
                 for m in a.modules.values() {
                     m.b.set(&Tensor::randn(0f32, 1.0, m.b.dims(), &Device::Cpu).unwrap())
                         .unwrap();
@@ -428,69 +669,72 @@ mod tests {
             .with(7, &adapters[0])
             .with(9, &adapters[1]);
         let rows = [Some(7), Some(7), None, Some(9)];
-        let hook = RowAdapters::new(&set, &rows).unwrap();
+        let hook = RowAdapters::new(&set, &rows, &Device::Cpu).unwrap();
         let key = *hook.modules.keys().next().unwrap();
-        let in_dim = key.target.dims(&model.config).0;
+        let (in_dim, out_dim) = key.target.dims(&model.config);
         let tokens = MIN_SEGMENT_TOKENS;
         let x = Var::randn(0f32, 1.0, (rows.len(), tokens, in_dim), &Device::Cpu).unwrap();
         let factors = &hook.modules[&key];
-        let masked = hook.masked_delta(factors, x.as_tensor()).unwrap();
-        let segmented = hook.segmented_delta(factors, x.as_tensor()).unwrap();
-        let diff = (&masked - &segmented)
+        let masked = hook.masked_delta(factors, &x).unwrap();
+        let zeros = Tensor::zeros((rows.len(), tokens, out_dim), DType::F32, &Device::Cpu).unwrap();
+        let mut kept = LoraKept::new();
+        let with_kept = hook
+            .add_delta(key.layer, key.target, &x, zeros, Some(&mut kept))
             .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
+            .reshape(masked.shape())
             .unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
+        assert!(max_diff(&masked, &with_kept) < 1e-5);
         assert_eq!(hook.segments.len(), 3);
-        // A decode step's fused pass agrees too (one token per row, no gradient).
-        let one = x.as_tensor().narrow(1, 0, 1).unwrap().detach();
-        let out_dim = masked.dim(1).unwrap();
+        assert_eq!(
+            kept.iter().map(Option::is_some).collect::<Vec<_>>(),
+            [true, false, true]
+        );
+
+        // A decode step's fused pass agrees too (one token per row).
+        let one = x.narrow(1, 0, 1).unwrap();
         let y = Tensor::randn(0f32, 1.0, (rows.len(), out_dim), &Device::Cpu).unwrap();
         let fused = (hook.decode_add(factors, &one, &y).unwrap() - &y).unwrap();
         let plain = hook.masked_delta(factors, &one).unwrap();
-        let diff = (&fused - &plain).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
-        let none_row = fused
-            .narrow(0, 2, 1)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap();
-        assert_eq!(none_row.to_scalar::<f32>().unwrap(), 0.0);
-        // With trainable factors the hook keeps the graph, even for one token per row.
-        let zeros = Tensor::zeros((rows.len(), 1, out_dim), DType::F32, &Device::Cpu).unwrap();
-        let tracked = hook.add_delta(key.layer, key.target, &one, zeros).unwrap();
-        assert!(tracked.track_op());
+        assert!(max_diff(&fused, &plain) < 1e-5);
+        let none_row = fused.narrow(0, 2, 1).unwrap().abs().unwrap();
+        assert_eq!(none_row.max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
 
+        // Gradients of Σ w ⊙ Δ.
+        let flat_x = x.reshape((rows.len() * tokens, in_dim)).unwrap();
         let weights = Tensor::randn(0f32, 1.0, masked.dims(), &Device::Cpu).unwrap();
-        let grads = |d: &Tensor| {
-            (d * &weights)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap()
+        let mut dx = vec![0f32; flat_x.elem_count()];
+        let mut grads = BTreeMap::new();
+        hook.factor_grads::<f32>(key, &flat_x, &kept, &weights, Some(&mut dx), &mut grads)
+            .unwrap();
+        let dx = Tensor::from_vec(dx, flat_x.shape(), &Device::Cpu).unwrap();
+        let close = |ours: &Tensor, plain: &Tensor| {
+            let scale = plain.abs().unwrap().max_all().unwrap();
+            let scale = scale.to_scalar::<f32>().unwrap().max(1.0);
+            assert_eq!(ours.dims(), plain.dims());
+            assert!(
+                max_diff(ours, plain) <= 1e-4 * scale,
+                "{}",
+                max_diff(ours, plain)
+            );
         };
-        let (g_masked, g_segmented) = (grads(&masked), grads(&segmented));
-        for adapter in &adapters {
+        for (id, adapter, first, count) in [(7, &adapters[0], 0, 2), (9, &adapters[1], 3, 1)] {
             let m = &adapter.modules[&key];
-            for factor in [&m.a, &m.b] {
-                let a = g_masked.get(factor.as_tensor()).unwrap();
-                let b = g_segmented.get(factor.as_tensor()).unwrap();
-                let scale = a
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-                assert!(diff.to_scalar::<f32>().unwrap() <= 1e-5 * scale.max(1.0));
-                assert_eq!(a.dtype(), DType::F32);
-            }
+            let a = Var::from_tensor(m.a.as_tensor()).unwrap();
+            let b = Var::from_tensor(m.b.as_tensor()).unwrap();
+            let part = |t: &Tensor| t.narrow(0, first * tokens, count * tokens).unwrap();
+            let delta = part(&flat_x)
+                .matmul(&a.t().unwrap())
+                .unwrap()
+                .matmul(&(b.as_tensor() * adapter.scale()).unwrap().t().unwrap())
+                .unwrap();
+            let loss = (delta * part(&weights)).unwrap().sum_all().unwrap();
+            let plain = loss.backward().unwrap();
+            let (da, db) = &grads[&id][&key];
+            close(da, plain.get(&a).unwrap());
+            close(db, plain.get(&b).unwrap());
+            let plain_dx = plain.get(&x).unwrap().reshape(flat_x.shape()).unwrap();
+            close(&part(&dx), &part(&plain_dx));
         }
+        assert_eq!(grads.len(), 2);
     }
 }

@@ -1,5 +1,5 @@
-//! The train step's passes through the blocks: a forward that keeps what the
-//! backward needs, and the backward written out by hand.
+//! The train step's backward, written out by hand, over the activations that
+//! the model's one forward saved (`Llama::hidden_states` with `save`).
 //!
 //! The base is frozen, so the backward needs only input gradients through the
 //! frozen projections and the LoRA factors' own gradients. candle's autograd
@@ -21,269 +21,48 @@
 //!                                           ∂x      = ∂x₂ + RMSNorm'(∂q·Wq + ∂k·Wk + ∂v·Wv)
 //! ```
 //!
-//! Every projection adds its rows' LoRA delta `x·Aᵀ·(s·B)ᵀ`, segment by
-//! segment (rows are grouped by adapter); its backward adds
-//! `∂A = (∂y·s·B)ᵀ·x` and `∂B = s·∂yᵀ·(x·Aᵀ)` to that adapter's gradients.
-//! The first block's input gradient is never formed (the embeddings are frozen).
+//! Every projection's LoRA backward is [`RowAdapters::factor_grads`]. The
+//! first block's input gradient is never formed (the embeddings are frozen).
 
-use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 
 use candle_core::Tensor;
-use rayon::prelude::*;
 
-use super::row_adapters::{AdapterId, AdapterSet};
-use super::{Error, Result};
+use super::row_adapters::{AdapterId, RowAdapters};
+use super::Result;
 use crate::base::gemm::{self, Threads};
 use crate::base::kernels::{self, Heads, Policy, Real};
-use crate::base::Target;
-use crate::base::{BlockContext, Linear, Llama, Positions};
-use crate::lora::{Adapter, AdapterGrads, ModuleKey};
-
-/// Rows of a micro-batch that share one adapter, as token rows
-/// `start..start + len` of the flattened `[rows·n, hidden]` activations.
-struct TokenSegment<'a> {
-    start: usize,
-    len: usize,
-    id: AdapterId,
-    adapter: &'a Adapter,
-}
-
-/// One adapter's factors of one module, cut loose from its `Var`s:
-/// `A [r, in]` and `s·B [out, r]`.
-struct Factors {
-    a: Tensor,
-    b_scaled: Tensor,
-}
-
-/// The LoRA of a micro-batch whose rows are grouped by adapter.
-pub struct SegmentLora<'a> {
-    segments: Vec<TokenSegment<'a>>,
-    /// By (segment index, module).
-    factors: BTreeMap<(usize, ModuleKey), Factors>,
-}
-
-impl<'a> SegmentLora<'a> {
-    /// `rows[i]` is the adapter of row `i` (rows sharing one are adjacent),
-    /// each row `n` tokens long; a row without one gets no delta.
-    pub fn new(set: &AdapterSet<'a>, rows: &[Option<AdapterId>], n: usize) -> Result<Self> {
-        let mut segments: Vec<TokenSegment> = Vec::new();
-        for (row, &adapter) in rows.iter().enumerate() {
-            let Some(id) = adapter else { continue };
-            match segments.last_mut() {
-                Some(last) if last.id == id && last.start + last.len == row * n => last.len += n,
-                _ => segments.push(TokenSegment {
-                    start: row * n,
-                    len: n,
-                    id,
-                    adapter: set
-                        .adapters
-                        .get(&id)
-                        .ok_or(Error::UnknownAdapter { row, adapter: id })?,
-                }),
-            }
-        }
-        let mut factors = BTreeMap::new();
-        for (k, seg) in segments.iter().enumerate() {
-            for (&key, m) in &seg.adapter.modules {
-                let b_scaled = (m.b.as_tensor().detach() * seg.adapter.scale())?;
-                let a = m.a.as_tensor().detach();
-                factors.insert((k, key), Factors { a, b_scaled });
-            }
-        }
-        Ok(SegmentLora { segments, factors })
-    }
-
-    /// `x·Wᵀ (+ bias)` plus each segment's delta, for `x` `[tokens, in]`, and
-    /// each segment's `x·Aᵀ` (kept for the backward; `None` where its
-    /// adapter lacks the module).
-    fn project<T: Real>(
-        &self,
-        key: ModuleKey,
-        linear: &Linear,
-        x: &Tensor,
-    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
-        let (mut y, shape) = gemm::product_values::<T>(x, &linear.weight.t()?, Threads::All)?;
-        let out_dim = linear.weight.dim(0)?;
-        if let Some(bias) = &linear.bias {
-            let bias = bias.to_vec1::<T>()?;
-            for row in y.chunks_mut(out_dim) {
-                row.iter_mut().zip(&bias).for_each(|(y, &b)| *y += b);
-            }
-        }
-        let shrunk = self.each_segment(Some((&mut y, out_dim)), |k, seg, rows| {
-            let Some(f) = self.factors.get(&(k, key)) else {
-                return Ok(None);
-            };
-            let u = gemm::matmul_serial(&x.narrow(0, seg.start, seg.len)?, &f.a.t()?)?;
-            if let Some(rows) = rows {
-                gemm::add_product(rows, &u, &f.b_scaled.t()?, Threads::One)?;
-            }
-            Ok(Some(u))
-        })?;
-        Ok((gemm::tensor((y, shape))?, shrunk))
-    }
-
-    /// Adds each segment's factor gradients of `key` to `grads`, given the
-    /// projection's input `x`, its saved `shrunk` and its output gradient
-    /// `dy`; adds the LoRA part of `∂x` into `dx` (`[tokens, in]` values)
-    /// when given.
-    fn factor_grads<T: Real>(
-        &self,
-        key: ModuleKey,
-        x: &Tensor,
-        shrunk: &[Option<Tensor>],
-        dy: &Tensor,
-        dx: Option<&mut [T]>,
-        grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-    ) -> Result<()> {
-        let in_dim = x.dim(1)?;
-        let parts = self.each_segment(dx.map(|dx| (dx, in_dim)), |k, seg, rows| {
-            let (Some(f), Some(u)) = (
-                self.factors.get(&(k, key)),
-                shrunk.get(k).and_then(Option::as_ref),
-            ) else {
-                return Ok(None);
-            };
-            let dy = dy.narrow(0, seg.start, seg.len)?;
-            let du = gemm::matmul_serial(&dy, &f.b_scaled)?;
-            let da = gemm::matmul_serial(&du.t()?, &x.narrow(0, seg.start, seg.len)?)?;
-            let db = (gemm::matmul_serial(&dy.t()?, u)? * seg.adapter.scale())?;
-            if let Some(rows) = rows {
-                gemm::add_product(rows, &du, &f.a, Threads::One)?;
-            }
-            Ok(Some((da, db)))
-        })?;
-        for (seg, part) in self.segments.iter().zip(parts) {
-            if let Some((da, db)) = part {
-                add_grads(grads, seg.id, key, da, db)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// `f(k, segment k, its rows of values)` for every segment, side by side
-    /// on rayon's threads (each segment's products are too small to share
-    /// out), results in segment order. `values` is `[tokens, width]`
-    /// row-major; without it `f` gets `None`.
-    fn each_segment<T: Send, R: Send>(
-        &self,
-        values: Option<(&mut [T], usize)>,
-        f: impl Fn(usize, &TokenSegment, Option<&mut [T]>) -> Result<R> + Sync,
-    ) -> Result<Vec<R>> {
-        let mut blocks: Vec<Option<&mut [T]>> = Vec::with_capacity(self.segments.len());
-        match values {
-            None => blocks.resize_with(self.segments.len(), || None),
-            Some((mut rest, width)) => {
-                // Segments are in row order and disjoint (see `new`).
-                let mut row = 0;
-                for seg in &self.segments {
-                    let skip = (seg.start - row) * width;
-                    if rest.len() < skip + seg.len * width {
-                        return Err(candle_core::Error::Msg(format!(
-                            "segment at rows {}..{} outside {} rows",
-                            seg.start,
-                            seg.start + seg.len,
-                            row + rest.len() / width.max(1)
-                        ))
-                        .into());
-                    }
-                    let (block, tail) = rest[skip..].split_at_mut(seg.len * width);
-                    blocks.push(Some(block));
-                    rest = tail;
-                    row = seg.start + seg.len;
-                }
-            }
-        }
-        self.segments
-            .par_iter()
-            .zip(blocks)
-            .enumerate()
-            .map(|(k, (seg, block))| f(k, seg, block))
-            .collect()
-    }
-}
-
-fn add_grads(
-    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-    id: AdapterId,
-    key: ModuleKey,
-    da: Tensor,
-    db: Tensor,
-) -> Result<()> {
-    match grads.entry(id).or_default().entry(key) {
-        Entry::Occupied(mut e) => {
-            let (a, b) = e.get_mut();
-            *a = (&*a + da)?;
-            *b = (&*b + db)?;
-        }
-        Entry::Vacant(e) => {
-            e.insert((da, db));
-        }
-    }
-    Ok(())
-}
-
-/// What one block's forward keeps for its backward. Activations are
-/// `[tokens, width]` unless noted.
-struct Saved {
-    x: Tensor,
-    a: Tensor,
-    /// `[rows, heads, n, head_dim]`, after RoPE.
-    q: Tensor,
-    /// `[rows, kv_heads, n, head_dim]`, after RoPE.
-    k: Tensor,
-    /// `[rows, kv_heads, n, head_dim]`.
-    v: Tensor,
-    attn: Tensor,
-    x2: Tensor,
-    m: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    /// Each projection's per-segment `x·Aᵀ`.
-    shrunk: BTreeMap<Target, Vec<Option<Tensor>>>,
-}
+use crate::base::{BlockActivations, BlockContext, Llama, Positions, Target};
+use crate::lora::{AdapterGrads, ModuleKey};
 
 /// The forward pass's saved activations, block by block.
 pub struct Tape {
-    saved: Vec<Saved>,
+    saved: Vec<BlockActivations>,
     ctx: BlockContext,
-}
-
-/// One micro-batch's pass through the blocks.
-struct Pass<'a> {
-    model: &'a Llama,
-    lora: &'a SegmentLora<'a>,
-    ctx: &'a BlockContext,
-    rows: usize,
-    n: usize,
 }
 
 /// Runs the blocks on `embeds` (`[rows, n, hidden]`), saving what the
 /// backward needs; returns the tape and the last block's output `[rows·n, hidden]`.
-pub fn forward<T: Real>(
+pub fn forward(
     model: &Llama,
-    lora: &SegmentLora,
+    lora: &RowAdapters,
     embeds: &Tensor,
     at: &Positions,
 ) -> Result<(Tape, Tensor)> {
     let (rows, n, hidden) = embeds.dims3()?;
-    let ctx = model.block_context(at, embeds.dtype())?;
-    let pass = Pass {
-        model,
-        lora,
-        ctx: &ctx,
-        rows,
-        n,
-    };
-    let mut h = embeds.reshape((rows * n, hidden))?;
     let mut saved = Vec::with_capacity(model.blocks.len());
-    for layer in 0..model.blocks.len() {
-        let (y, s) = pass.block_forward::<T>(layer, h)?;
-        saved.push(s);
-        h = y;
-    }
-    Ok((Tape { saved, ctx }, h))
+    let top = model.hidden_states(embeds, at, None, lora, Some(&mut saved))?;
+    let ctx = model.block_context(at, embeds.dtype())?;
+    Ok((Tape { saved, ctx }, top.reshape((rows * n, hidden))?))
+}
+
+/// One micro-batch's pass back through the blocks.
+struct Pass<'a> {
+    model: &'a Llama,
+    lora: &'a RowAdapters,
+    ctx: &'a BlockContext,
+    rows: usize,
+    n: usize,
 }
 
 /// Scored rows per chunk of the LM head (512: a `[512, 49152]` f32 logits
@@ -342,7 +121,7 @@ pub fn head<T: Real>(
 /// through every block, adding the factor gradients to `grads`.
 pub fn backward<T: Real>(
     model: &Llama,
-    lora: &SegmentLora,
+    lora: &RowAdapters,
     tape: Tape,
     mut grad: Tensor,
     grads: &mut BTreeMap<AdapterId, AdapterGrads>,
@@ -417,52 +196,12 @@ impl Pass<'_> {
             .reshape((rows * n, heads * hd))?)
     }
 
-    fn block_forward<T: Real>(&self, layer: usize, x: Tensor) -> Result<(Tensor, Saved)> {
-        let cfg = &self.model.config;
-        let block = &self.model.blocks[layer];
-        let (cos, sin) = (&self.ctx.cos, &self.ctx.sin);
-        let mut shrunk = BTreeMap::new();
-        let mut project = |target: Target, x: &Tensor| -> Result<Tensor> {
-            let key = ModuleKey { layer, target };
-            let (y, u) = self.lora.project::<T>(key, block.linear(target), x)?;
-            shrunk.insert(target, u);
-            Ok(y)
-        };
-        let a = kernels::rms_norm::<T>(&x, &block.attn_norm, cfg.rms_norm_eps)?;
-        let q = project(Target::Q, &a)?;
-        let q = kernels::rope_heads::<T>(&q, cos, sin, self.heads(cfg.num_heads))?;
-        let k = project(Target::K, &a)?;
-        let k = kernels::rope_heads::<T>(&k, cos, sin, self.heads(cfg.num_kv_heads))?;
-        let v = self.split_heads(&project(Target::V, &a)?, cfg.num_kv_heads)?;
-        let out = gemm::matmul(&self.probs::<T>(&q, &k)?, &v)?;
-        let attn = self.merge_heads(&out.reshape(q.dims())?)?;
-        let x2 = (&x + project(Target::O, &attn)?)?;
-        let m = kernels::rms_norm::<T>(&x2, &block.mlp_norm, cfg.rms_norm_eps)?;
-        let gate = project(Target::Gate, &m)?;
-        let up = project(Target::Up, &m)?;
-        let y = (&x2 + project(Target::Down, &kernels::swiglu::<T>(&gate, &up)?)?)?;
-        let saved = Saved {
-            x,
-            a,
-            q,
-            k,
-            v,
-            attn,
-            x2,
-            m,
-            gate,
-            up,
-            shrunk,
-        };
-        Ok((y, saved))
-    }
-
     /// ∂loss/∂ block input given `dy` = ∂loss/∂ block output, after adding
     /// the block's factor gradients to `grads`; `None` for the first block.
     fn block_backward<T: Real>(
         &self,
         layer: usize,
-        s: Saved,
+        s: BlockActivations,
         dy: &Tensor,
         grads: &mut BTreeMap<AdapterId, AdapterGrads>,
     ) -> Result<Option<Tensor>> {
@@ -488,7 +227,7 @@ impl Pass<'_> {
             };
             let key = ModuleKey { layer, target };
             self.lora
-                .factor_grads(key, x, &s.shrunk[&target], dy, Some(&mut dx), grads)?;
+                .factor_grads(key, x, &s.lora[&target], dy, Some(&mut dx), grads)?;
             Ok((dx, shape))
         };
 
@@ -524,7 +263,7 @@ impl Pass<'_> {
             for (target, d) in [(Target::Q, &dq), (Target::K, &dk), (Target::V, &dv)] {
                 let key = ModuleKey { layer, target };
                 self.lora
-                    .factor_grads::<T>(key, &s.a, &s.shrunk[&target], d, None, grads)?;
+                    .factor_grads::<T>(key, &s.a, &s.lora[&target], d, None, grads)?;
             }
             return Ok(None);
         }

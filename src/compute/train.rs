@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
-use super::tape::{self, SegmentLora};
+use super::tape;
 use super::{Error, Result};
 use crate::base::kernels::{with_real, Policy, Real};
 use crate::base::{Llama, Positions};
@@ -170,11 +170,12 @@ impl Layout {
     }
 }
 
-/// One micro-batch through the model, recording no gradient.
+/// One micro-batch through the model, saving nothing for a backward.
 fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
     let layout = Layout::new(model.device(), rows)?;
-    let hook = RowAdapters::new(adapters, &layout.adapters)?.detached_on(model.device())?;
-    let hidden = model.hidden_states(&model.embed(&layout.tokens)?, &layout.at, None, &hook)?;
+    let hook = RowAdapters::new(adapters, &layout.adapters, model.device())?;
+    let embeds = model.embed(&layout.tokens)?;
+    let hidden = model.hidden_states(&embeds, &layout.at, None, &hook, None)?;
     layout.logprobs(model, &hidden)
 }
 
@@ -363,10 +364,9 @@ fn micro_batch_step<T: Real>(
     grads: &mut BTreeMap<AdapterId, AdapterGrads>,
 ) -> Result<Vec<f64>> {
     let layout = Layout::new(model.device(), batch)?;
-    let (_, width) = layout.tokens.dims2()?;
-    let lora = SegmentLora::new(adapters, &layout.adapters, width)?;
+    let lora = RowAdapters::new(adapters, &layout.adapters, model.device())?;
     let embeds = model.embed(&layout.tokens)?;
-    let (tape, top) = tape::forward::<T>(model, &lora, &embeds, &layout.at)?;
+    let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
     let (logps, top_grad) = tape::head::<T>(
         model,
         &top,
