@@ -21,6 +21,8 @@ struct Cli {
 enum Command {
     /// Run a scenario: a population (or the solo baseline) self-play run.
     Run(cli::run::Args),
+    /// Start a worker node that hosts members of a run on several machines.
+    Node(cli::node::Args),
     /// Control a live run: status, kill, inject, pause, resume, stop.
     Ctl(cli::ctl::Args),
     /// Re-execute a finished run and verify every checksum bit for bit.
@@ -61,6 +63,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => cli::run::run(args),
+        Command::Node(args) => cli::node::run(args),
         Command::Ctl(args) => cli::ctl::run(args),
         Command::Replay(args) => cli::replay::run(args),
         Command::Resume(args) => cli::resume::run(args),

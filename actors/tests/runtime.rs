@@ -3,11 +3,14 @@
 //! supervision of a panicking member, and malformed scenarios.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use populora::run_files::Event;
+
+mod common;
+use common::{journal, ok, populora, wait_for};
 
 fn scenario(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -21,23 +24,6 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-fn populora(args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_populora"));
-    c.args(args);
-    c
-}
-
-fn ok(out: Output) -> String {
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    assert!(
-        out.status.success(),
-        "failed: {}\n{}",
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    text(&out.stdout)
-}
-
 fn run_to(dir: &Path, file: &Path) -> String {
     ok(populora(&[
         "run",
@@ -47,10 +33,6 @@ fn run_to(dir: &Path, file: &Path) -> String {
     ])
     .output()
     .unwrap())
-}
-
-fn journal(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("journal.jsonl")).unwrap()
 }
 
 /// The `end` event's line (it holds every member's final checksum).
@@ -70,14 +52,6 @@ fn baseline() -> &'static Path {
         run_to(&dir, &scenario("tiny.toml"));
         dir
     })
-}
-
-fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn ctl(dir: &Path, args: &[&str]) -> String {

@@ -89,7 +89,7 @@ pub struct GenRequest {
     pub grammar: Option<Arc<Grammar>>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum StopReason {
     StopToken,
     MaxTokens,

@@ -145,7 +145,11 @@ pub(crate) fn build(data: &RunData, warnings: &mut Vec<String>) -> History {
                 h.ended = true;
                 journal_steps.push(*step);
             }
-            Event::CheckpointSkipped { .. } | Event::Unknown => {}
+            Event::CheckpointSkipped { .. }
+            | Event::Layout { .. }
+            | Event::NodeLost { .. }
+            | Event::NodeBack { .. }
+            | Event::Unknown => {}
         }
     }
     add_members_seen_only_in_metrics(&mut h, data);

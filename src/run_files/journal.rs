@@ -35,6 +35,9 @@ pub enum Event {
         subpop: usize,
         parents: Vec<String>,
         operators: Vec<String>,
+        /// The worker node it runs on (absent when members run in the `run` process).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        node: Option<String>,
     },
     /// A member removed by evolution.
     Cull { step: u64, id: String, fitness: f64 },
@@ -61,6 +64,26 @@ pub enum Event {
         reason: String,
         moved_to: String,
     },
+    /// Where members run from `step` on (journaled whenever a run with
+    /// `[cluster]` nodes starts, resumes or changes layout): each member's
+    /// node, and the scenario's nodes that did not answer (`down`, why).
+    Layout {
+        step: u64,
+        members: BTreeMap<String, String>,
+        down: BTreeMap<String, String>,
+    },
+    /// A worker node was lost during `step` (`message`: how it was noticed);
+    /// the run went back to the checkpoint of `resumed_from` and its members
+    /// moved to the nodes still up (the next `layout` event).
+    NodeLost {
+        step: u64,
+        node: String,
+        message: String,
+        resumed_from: u64,
+    },
+    /// A node that was down answered again at the checkpoint of `step`; the
+    /// run continues from that checkpoint with it in the layout.
+    NodeBack { step: u64, node: String },
     /// The run finished (or stopped) after `step`, with the final checksums.
     End {
         step: u64,

@@ -36,6 +36,10 @@ pub struct MetricsLine {
     /// The run's compute so far; `None` as for `compute`.
     #[serde(default)]
     pub compute_total: Option<Cost>,
+    /// Bytes this step sent to and received from worker nodes (absent when
+    /// every member runs in the `run` process).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wire_bytes: Option<WireBytes>,
 }
 
 /// One member's numbers after a step.
@@ -96,4 +100,11 @@ pub struct TokenMetrics {
     pub response_mean: f64,
     /// Fraction of responses cut off by `max_new_tokens`.
     pub truncated: f64,
+}
+
+/// Bytes that crossed the wire between the coordinator and its nodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct WireBytes {
+    pub sent: u64,
+    pub received: u64,
 }

@@ -14,7 +14,7 @@ mod metrics;
 
 pub use journal::{Command, Event, MemberEntry, Source};
 pub use metrics::{
-    GroupMetrics, MemberLine, MetricsLine, ProgramLine, ProposalCounts, TokenMetrics,
+    GroupMetrics, MemberLine, MetricsLine, ProgramLine, ProposalCounts, TokenMetrics, WireBytes,
 };
 
 /// The metrics log's name inside a run directory.

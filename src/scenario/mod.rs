@@ -13,12 +13,14 @@
 
 #![warn(missing_docs)]
 
+pub mod cluster;
 mod engine_parts;
 mod error;
 pub mod experiment;
 mod source_map;
 mod validate;
 
+pub use cluster::ClusterSection;
 pub use error::{ErrorKind, ScenarioError};
 
 use serde::{Deserialize, Serialize, Serializer};
@@ -77,6 +79,9 @@ pub struct Scenario {
     /// Scripted live events, in file order. Default: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<ScriptedEvent>,
+    /// Worker nodes and placement. Default: none (one process).
+    #[serde(default, skip_serializing_if = "ClusterSection::is_local")]
+    pub cluster: ClusterSection,
 }
 
 // ---------------------------------------------------------------- [model]

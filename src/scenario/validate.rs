@@ -288,7 +288,34 @@ pub(super) fn validate(
     )?;
     let every = scenario.checkpoint.every;
     v.range(every >= 1, "checkpoint.every", every, "1..")?;
+    cluster(&v, scenario)?;
     events(&v, scenario, check)
+}
+
+fn cluster(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
+    let c = &s.cluster;
+    for (i, node) in c.nodes.iter().enumerate() {
+        let key = format!("cluster.nodes[{i}]");
+        if let Err(why) = super::cluster::check_address(node) {
+            return Err(v.fail(&key, format!("{key} = {why}")));
+        }
+        if c.nodes[..i].contains(node) {
+            return Err(v.fail(&key, format!("{key} = {node:?} is listed twice")));
+        }
+    }
+    for (member, node) in &c.pins {
+        let key = format!("cluster.pins.{member}");
+        if super::parse_member_id(member).is_none() {
+            return Err(v.fail(
+                &key,
+                format!("{key}: {member:?} is not a member id (teacher-N, student-N, solo-N)"),
+            ));
+        }
+        if !c.nodes.contains(node) {
+            return Err(v.fail(&key, format!("{key} = {node:?} is not in cluster.nodes")));
+        }
+    }
+    Ok(())
 }
 
 fn model(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {

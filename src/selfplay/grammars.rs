@@ -68,6 +68,18 @@ impl Grammars {
         self.compiled.get(&(kind, role, arity)).cloned()
     }
 
+    /// Where `grammar` is among the compiled ones. Two processes that compiled
+    /// the same settings against the same vocabulary agree on it, so a node
+    /// receives this index instead of the grammar.
+    pub fn index_of(&self, grammar: &Arc<Grammar>) -> Option<usize> {
+        self.compiled.values().position(|g| Arc::ptr_eq(g, grammar))
+    }
+
+    /// The grammar at [`Grammars::index_of`]'s `index`.
+    pub fn by_index(&self, index: usize) -> Option<Arc<Grammar>> {
+        self.compiled.values().nth(index).cloned()
+    }
+
     /// The grammar of a solver's reply to `task` (an abduction answer holds
     /// as many arguments as the task's program takes).
     pub fn solver(&self, task: &SolverTask) -> Option<Arc<Grammar>> {

@@ -31,7 +31,7 @@ pub struct Learner {
 }
 
 /// What training did to one member.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Trained {
     /// Response tokens it trained on.
     pub tokens: usize,

@@ -12,6 +12,7 @@ pub mod fetch;
 pub mod generate;
 pub mod import_peft;
 pub mod info;
+pub mod node;
 pub mod replay;
 pub mod report;
 pub mod resume;

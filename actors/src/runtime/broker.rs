@@ -18,6 +18,7 @@ use populora::selfplay::MemberId;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum BrokerMsg {
     /// A member's adapter joins the batch (replacing any earlier one of that id).
     Join { member: MemberId, adapter: Adapter },
@@ -37,7 +38,7 @@ pub enum BrokerMsg {
 }
 
 /// What the broker did: batches, rows and compute time.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct Usage {
     pub batches: usize,
     pub rows: usize,
@@ -51,6 +52,15 @@ impl Usage {
         self.batches += 1;
         self.rows += rows;
         self.largest_batch = self.largest_batch.max(rows);
+    }
+
+    /// Add another broker's usage (the sites of a run).
+    pub fn merge(&mut self, other: &Usage) {
+        self.batches += other.batches;
+        self.rows += other.rows;
+        self.largest_batch = self.largest_batch.max(other.largest_batch);
+        self.generate_ms += other.generate_ms;
+        self.train_ms += other.train_ms;
     }
 }
 

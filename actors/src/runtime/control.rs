@@ -44,6 +44,26 @@ pub struct LiveStatus {
     /// Students each teacher must be matched with (cross-evaluation).
     pub students_per_teacher: usize,
     pub members: Vec<MemberEntry>,
+    /// Worker nodes (empty when every member runs in the `run` process).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<NodeStatus>,
+}
+
+/// One worker node as `status` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub address: String,
+    /// `up`, or `down: why`.
+    pub health: String,
+    /// The members that run there.
+    pub members: Vec<String>,
+    /// The coordinator's calls to it not yet answered.
+    pub queue: u64,
+    /// Its brokers' compute time so far, and its share of every node's.
+    pub compute_s: f64,
+    pub compute_share: f64,
+    pub sent_bytes: u64,
+    pub received_bytes: u64,
 }
 
 pub type Shared = Arc<Mutex<LiveStatus>>;

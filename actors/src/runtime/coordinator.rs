@@ -14,27 +14,28 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use populora::compute::{Cost, GenRequest, Generation, TrainRow};
-use populora::lora::AdapterGrads;
 use populora::rating::{match_teachers, record_problem, MatchConfig, Player, TrueSkillConfig};
+use populora::run_files::WireBytes;
 use populora::scenario::{EventAction, Mode, Role, Scenario};
 use populora::selfplay::{
     self, play_step, Learner, MemberId, Problem, ProposalJob, ProposalResult, Roster, SolveJob,
     SolveResult, StepBackend, StepContext, StepMetrics, Trained,
 };
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use super::broker::{Broker, BrokerMsg};
+use super::cluster::{self, Unreachable};
 use super::control::{Command, LiveStatus, Shared};
 use super::engine::Engine;
 use super::evolution::{Contender, Evolution, EvolutionArgs, EvolutionMsg, Newborn};
 use super::journal::{Event, Log, Source};
 use super::league::League;
-use super::member::{self, Member, MemberArgs, MemberMsg, Updated};
+use super::member;
 use super::rundir::RunDir;
+use super::site::{LocalSite, Sites};
 use super::verifier::{Verifier, VerifierArgs, VerifierMsg};
-use super::{ask, Died};
+use super::{ask, StepError};
 
 /// Restart intensity: more than this many member restarts ...
 const MAX_RESTARTS: usize = 3;
@@ -68,10 +69,17 @@ pub struct CoordinatorArgs {
     pub status: Shared,
     pub journal: Log,
     pub metrics: Log,
+    /// The cluster's cookie (needed when the scenario names nodes).
+    pub cookie: Option<String>,
+    /// Whether a node that does not answer is an error or left out.
+    pub unreachable: Unreachable,
     pub done: oneshot::Sender<anyhow::Result<Summary>>,
 }
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum CoordinatorMsg {
+    /// Start every member on its site (first).
+    Place,
     Step,
 }
 
@@ -79,11 +87,11 @@ pub struct Coordinator;
 
 pub struct State {
     args: CoordinatorArgs,
-    /// This coordinator, the supervisor of every member.
-    cell: ActorCell,
     done: Option<oneshot::Sender<anyhow::Result<Summary>>>,
-    members: BTreeMap<MemberId, ActorRef<MemberMsg>>,
-    broker: ActorRef<BrokerMsg>,
+    /// Where each member runs: this process, or worker nodes.
+    sites: Sites,
+    /// Wire bytes (sent, received) at the last metrics line.
+    traffic_mark: (u64, u64),
     verifier: ActorRef<VerifierMsg>,
     evolution: ActorRef<EvolutionMsg>,
     restarts: VecDeque<Instant>,
@@ -91,32 +99,6 @@ pub struct State {
     stop: bool,
     started: Instant,
     step_times: Vec<f64>,
-}
-
-/// Why a step attempt failed.
-enum StepError {
-    /// A member (or another actor) died: restart and retry.
-    Died(Died),
-    /// Anything else stops the run.
-    Fatal(anyhow::Error),
-}
-
-impl From<Died> for StepError {
-    fn from(d: Died) -> Self {
-        StepError::Died(d)
-    }
-}
-
-impl From<selfplay::Error> for StepError {
-    fn from(e: selfplay::Error) -> Self {
-        StepError::Fatal(e.into())
-    }
-}
-
-impl From<anyhow::Error> for StepError {
-    fn from(e: anyhow::Error) -> Self {
-        StepError::Fatal(e)
-    }
 }
 
 type StepResult<T> = Result<T, StepError>;
@@ -133,17 +115,20 @@ impl Actor for Coordinator {
     ) -> Result<State, ActorProcessingErr> {
         let engine = args.engine.clone();
         let cell = myself.get_cell();
-        let (broker, _) = Actor::spawn_linked(
-            None,
-            Broker,
-            (
-                engine.model.clone(),
-                engine.decode_model.clone(),
-                engine.settings.train,
-            ),
-            cell.clone(),
-        )
-        .await?;
+        let sites = match &args.cookie {
+            None => Sites::local(LocalSite::start(&engine, cell.clone()).await?),
+            Some(cookie) => {
+                let cookie = cookie.clone();
+                let cluster =
+                    cluster::connect(&args.scenario, &engine, cookie, args.unreachable).await?;
+                if cluster.links.is_empty() {
+                    eprintln!("no worker node is up: every member runs in this process");
+                    Sites::fallback(LocalSite::start(&engine, cell.clone()).await?, cluster)
+                } else {
+                    Sites::nodes(cluster, args.scenario.cluster.clone())
+                }
+            }
+        };
         let (verifier, _) = Actor::spawn_linked(
             None,
             Verifier,
@@ -168,14 +153,12 @@ impl Actor for Coordinator {
             cell.clone(),
         )
         .await?;
-        let learners = std::mem::take(&mut args.learners);
         let done = Some(std::mem::replace(&mut args.done, oneshot::channel().0));
-        let mut state = State {
+        let state = State {
             args,
-            cell: cell.clone(),
             done,
-            members: BTreeMap::new(),
-            broker,
+            sites,
+            traffic_mark: (0, 0),
             verifier,
             evolution,
             restarts: VecDeque::new(),
@@ -184,9 +167,6 @@ impl Actor for Coordinator {
             started: Instant::now(),
             step_times: Vec::new(),
         };
-        for (id, learner) in learners {
-            spawn_member(&mut state, id, learner).await?;
-        }
         publish(&state, "ready");
         Ok(state)
     }
@@ -196,17 +176,23 @@ impl Actor for Coordinator {
         myself: ActorRef<CoordinatorMsg>,
         _state: &mut State,
     ) -> Result<(), ActorProcessingErr> {
-        myself.cast(CoordinatorMsg::Step)?;
+        myself.cast(CoordinatorMsg::Place)?;
         Ok(())
     }
 
     async fn handle(
         &self,
         myself: ActorRef<CoordinatorMsg>,
-        _msg: CoordinatorMsg,
+        msg: CoordinatorMsg,
         state: &mut State,
     ) -> Result<(), ActorProcessingErr> {
-        match step(state).await {
+        let result = match msg {
+            // Placing reaches the nodes: a node lost here ends the run as a
+            // lost node (through `done`), which a start-up error could not.
+            CoordinatorMsg::Place => place_all(state).await.map(|()| true),
+            CoordinatorMsg::Step => step(state).await,
+        };
+        match result {
             Ok(true) => myself.cast(CoordinatorMsg::Step)?,
             Ok(false) => finish(&myself, state, Ok(())).await,
             Err(e) => finish(&myself, state, Err(e)).await,
@@ -229,25 +215,62 @@ impl Actor for Coordinator {
     }
 }
 
-async fn spawn_member(state: &mut State, id: MemberId, learner: Learner) -> anyhow::Result<()> {
-    let adapter = learner.adapter.clone();
-    let args = MemberArgs {
-        name: state.args.league.name(id),
-        learner,
-        grad_clip: state.args.engine.settings.grad_clip,
-    };
-    let (actor, _) = Actor::spawn_linked(None, Member, args, state.cell.clone())
-        .await
-        .context("starting a member")?;
-    state.members.insert(id, actor);
-    state
-        .broker
-        .cast(BrokerMsg::Join {
-            member: id,
-            adapter,
+/// Start the run's members where they run, journal the layout, and on
+/// nodes write a checkpoint if there is none (a node lost before the first
+/// one sends the run back to it).
+async fn place_all(state: &mut State) -> anyhow::Result<()> {
+    let s = state.args.league.step;
+    let learners = std::mem::take(&mut state.args.learners);
+    if !state.args.scenario.cluster.is_local() && state.args.dir.latest_checkpoint()?.is_none() {
+        let aside = Checkpoint::begin(state)?;
+        for (&id, learner) in &learners {
+            aside.save(state, id, learner)?;
+        }
+        aside.finish(state)?;
+    }
+    for (id, learner) in learners {
+        spawn_member(state, id, learner)
+            .await
+            .map_err(|e| into_anyhow(e, s))?;
+    }
+    journal_layout(state)
+}
+
+async fn spawn_member(state: &mut State, id: MemberId, learner: Learner) -> StepResult<()> {
+    let name = state.args.league.name(id);
+    state.sites.place(id, &name, learner).await
+}
+
+/// A run on nodes journals where each member runs (and which nodes are down).
+fn journal_layout(state: &mut State) -> anyhow::Result<()> {
+    if state.args.scenario.cluster.is_local() {
+        return Ok(());
+    }
+    let league = &state.args.league;
+    let members = league
+        .members
+        .keys()
+        .map(|&id| {
+            let node = state.sites.node_of(id).unwrap_or("local").to_string();
+            (league.name(id), node)
         })
-        .context("the broker is not running")?;
+        .collect();
+    state.args.journal.append(&Event::Layout {
+        step: league.step,
+        members,
+        down: state.sites.down(),
+    })?;
     Ok(())
+}
+
+/// A step error of step `s` as the run's error; a lost node stays a
+/// [`super::NodeLost`] (the caller resumes on the nodes still up).
+fn into_anyhow(e: StepError, s: u64) -> anyhow::Error {
+    match e {
+        StepError::Died(d) => anyhow::anyhow!(d.message),
+        StepError::NodeLost(n) => anyhow::Error::new(super::NodeLost { step: s, ..n }),
+        StepError::Fatal(e) => e,
+    }
 }
 
 fn publish(state: &State, phase: &str) {
@@ -260,6 +283,7 @@ fn publish(state: &State, phase: &str) {
         solo: state.args.scenario.population.mode == Mode::Solo,
         students_per_teacher: state.args.scenario.population.students_per_teacher,
         members: league.entries(),
+        nodes: state.sites.status(|id| league.name(id)),
     };
     *state.args.status.lock().unwrap_or_else(|p| p.into_inner()) = status;
     super::progress::phase(
@@ -280,21 +304,32 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
     if state.stop {
         return Ok(false);
     }
+    let result = run_step(state, s, &commands).await;
+    if let Some(lost) = result
+        .as_ref()
+        .err()
+        .and_then(|e| e.downcast_ref::<super::NodeLost>())
+    {
+        defer_commands(state, s, &commands, lost)?;
+    }
+    result.map(|()| true)
+}
+
+/// Step `s` with its commands, retried while members die and restart.
+async fn run_step(state: &mut State, s: u64, commands: &[(Command, Source)]) -> anyhow::Result<()> {
     let started = Instant::now();
     let before = state.args.league.clone();
-    let snapshots = snapshot_all(state)
-        .await
-        .map_err(|d| anyhow::anyhow!(d.message))?;
+    state.sites.keep().await.map_err(|e| into_anyhow(e, s))?;
     loop {
-        match attempt(state, s, &commands).await {
-            Ok(outcome) => {
-                commit(state, s, outcome, started).await?;
-                return Ok(true);
-            }
+        match attempt(state, s, commands).await {
+            Ok(outcome) => return commit(state, s, outcome, started).await,
             Err(StepError::Fatal(e)) => return Err(e.context(format!("step {s}"))),
+            Err(StepError::NodeLost(lost)) => {
+                return Err(into_anyhow(StepError::NodeLost(lost), s));
+            }
             Err(StepError::Died(died)) => {
                 state.args.league = before.clone();
-                restore_all(state, &snapshots).await?;
+                state.sites.restore().await.map_err(|e| into_anyhow(e, s))?;
                 let now = Instant::now();
                 state.restarts.push_back(now);
                 while state
@@ -330,6 +365,39 @@ async fn step(state: &mut State) -> anyhow::Result<bool> {
         }
     }
 }
+
+/// The live commands of step `s`, lost with a node, and those that arrived
+/// since (due at `s + 1`): journaled as deferred, so the resume that follows
+/// (which reads them back) applies them at their steps.
+fn defer_commands(
+    state: &mut State,
+    s: u64,
+    commands: &[(Command, Source)],
+    lost: &super::NodeLost,
+) -> anyhow::Result<()> {
+    let mut deferred: Vec<(u64, Command)> = commands
+        .iter()
+        .filter(|(_, source)| *source == Source::Ctl)
+        .map(|(c, _)| (s, c.clone()))
+        .collect();
+    while let Ok(c) = state.args.control.try_recv() {
+        if c.changes_results() {
+            deferred.push((s + 1, c));
+        }
+    }
+    for (step, command) in deferred {
+        state.args.journal.append(&Event::Control {
+            step,
+            command,
+            source: Source::Ctl,
+            outcome: format!("{DEFERRED}: node {} was lost", lost.node),
+        })?;
+    }
+    Ok(())
+}
+
+/// How a deferred command's `outcome` begins (replay and resume read it).
+pub const DEFERRED: &str = "deferred";
 
 /// Whether the run has spent its compute budget (`budget_tflop`): it ends
 /// at the step boundary nearest the budget, that is once another step like
@@ -397,34 +465,6 @@ fn route(state: &mut State, command: Command, commands: &mut Vec<(Command, Sourc
     }
 }
 
-async fn snapshot_all(state: &State) -> Result<BTreeMap<MemberId, Learner>, Died> {
-    let mut out = BTreeMap::new();
-    for (&id, actor) in &state.members {
-        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
-            .await?
-            .map_err(|e| {
-                let name = state.args.league.name(id);
-                Died::member(&name, format!("{name}: snapshot failed: {e}"))
-            })?;
-        out.insert(id, learner);
-    }
-    Ok(out)
-}
-
-/// Stop every member actor and start the step's starting population again.
-async fn restore_all(
-    state: &mut State,
-    snapshots: &BTreeMap<MemberId, Learner>,
-) -> anyhow::Result<()> {
-    for (_, actor) in std::mem::take(&mut state.members) {
-        actor.stop(None);
-    }
-    for (&id, learner) in snapshots {
-        spawn_member(state, id, member::snapshot(learner)?).await?;
-    }
-    Ok(())
-}
-
 /// What a successful step attempt produced, written at commit.
 struct Outcome {
     events: Vec<Event>,
@@ -479,16 +519,16 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         let ms = start.elapsed().as_secs_f64() * 1e3;
         metrics.phase_ms.insert("evolve".into(), ms);
     }
-    // The broker's own compute time: how much of the step the model was busy.
-    let usage = ask(&state.broker, |reply| BrokerMsg::Usage { reply }).await?;
+    // The brokers' own compute time: how much of the step the models were busy.
+    let usage = state.sites.usage().await?;
     metrics
         .phase_ms
         .insert("compute".into(), usage.generate_ms + usage.train_ms);
     Ok(Outcome { events, metrics })
 }
 
-/// The runtime's side of [`play_step`]: the broker generates and trains,
-/// the verifier judges, and each member applies its own update.
+/// The runtime's side of [`play_step`]: the sites' brokers generate and
+/// train, the verifier judges, and each member applies its own update.
 struct Actors<'a> {
     state: &'a mut State,
     step: u64,
@@ -502,8 +542,7 @@ impl StepBackend for Actors<'_> {
     }
 
     async fn generate(&mut self, requests: Vec<GenRequest>) -> StepResult<Vec<Generation>> {
-        let broker = &self.state.broker;
-        Ok(ask(broker, |reply| BrokerMsg::Generate { requests, reply }).await??)
+        self.state.sites.generate(requests).await
     }
 
     async fn judge_proposals(
@@ -545,63 +584,8 @@ impl StepBackend for Actors<'_> {
         _ctx: &StepContext<'_>,
         rows: Vec<TrainRow>,
     ) -> StepResult<BTreeMap<MemberId, Trained>> {
-        let out = ask(&self.state.broker, |reply| BrokerMsg::Train { rows, reply }).await??;
-        let updated = update_all(self.state, self.step, out.grads).await?;
-        Ok(updated
-            .into_iter()
-            .map(|(id, u)| {
-                let tokens = out.stats.get(&id).map_or(0, |s| s.tokens);
-                let trained = Trained {
-                    tokens,
-                    grad_norm: u.grad_norm,
-                    checksum: u.checksum,
-                };
-                (id, trained)
-            })
-            .collect())
+        self.state.sites.train(self.step, rows).await
     }
-}
-
-/// Send every member its gradients, then wait for all: the members update
-/// concurrently. Results are keyed by member id, so arrival order never
-/// matters; a death is noticed at once.
-async fn update_all(
-    state: &State,
-    step: u64,
-    grads: BTreeMap<MemberId, AdapterGrads>,
-) -> StepResult<BTreeMap<MemberId, Updated>> {
-    let mut pending = tokio::task::JoinSet::new();
-    for (id, grads) in grads {
-        let name = state.args.league.name(id);
-        let actor = state
-            .members
-            .get(&id)
-            .ok_or_else(|| Died::member(&name, format!("{name} has no actor")))?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        actor
-            .send_message(MemberMsg::Update {
-                step,
-                grads,
-                reply: tx.into(),
-            })
-            .map_err(|_| Died::member(&name, format!("{name} is not running")))?;
-        pending.spawn(async move { (id, name, rx.await) });
-    }
-    let mut out = BTreeMap::new();
-    while let Some(joined) = pending.join_next().await {
-        let (id, name, result) = joined.map_err(|e| StepError::Fatal(e.into()))?;
-        match result {
-            Ok(Ok(updated)) => {
-                out.insert(id, updated);
-            }
-            Ok(Err(e)) => return Err(StepError::Fatal(e.context(format!("{name}'s update")))),
-            Err(_) => {
-                let died = Died::member(&name, format!("{name} died in step {step}'s update"));
-                return Err(StepError::Died(died));
-            }
-        }
-    }
-    Ok(out)
 }
 
 fn trueskill() -> TrueSkillConfig {
@@ -696,11 +680,8 @@ async fn contenders(state: &State, part: Role) -> StepResult<Vec<Contender>> {
     let evolution = &state.args.scenario.evolution;
     let mut out = Vec::new();
     for id in league.ids(|m| m.role == part) {
-        let actor = &state.members[&id];
         let name = league.name(id);
-        let learner = ask(actor, |reply| MemberMsg::Snapshot { reply })
-            .await
-            .map_err(|d| d.of_member(&name))??;
+        let learner = state.sites.learner(id).await?;
         out.push(Contender {
             id,
             name,
@@ -728,7 +709,7 @@ async fn evolve(state: &mut State, s: u64, events: &mut Vec<Event>) -> StepResul
                 id: state.args.league.name(id),
                 fitness,
             });
-            remove_member(state, id);
+            remove_member(state, id).await;
         }
         for child in plan.born {
             let event = add_member(state, s, part, child).await?;
@@ -738,11 +719,8 @@ async fn evolve(state: &mut State, s: u64, events: &mut Vec<Event>) -> StepResul
     Ok(())
 }
 
-fn remove_member(state: &mut State, id: MemberId) {
-    if let Some(actor) = state.members.remove(&id) {
-        actor.stop(None);
-    }
-    let _ = state.broker.cast(BrokerMsg::Leave { member: id });
+async fn remove_member(state: &mut State, id: MemberId) {
+    state.sites.remove(id).await;
     state.args.league.remove(id);
 }
 
@@ -767,6 +745,7 @@ async fn add_member(state: &mut State, s: u64, part: Role, child: Newborn) -> St
         subpop: child.subpop,
         parents: child.parents,
         operators: child.operators,
+        node: state.sites.node_of(id).map(str::to_string),
     })
 }
 
@@ -803,7 +782,7 @@ async fn apply_command(
     match command {
         Command::Kill { member } => {
             if let Some(id) = state.args.league.by_name(member) {
-                remove_member(state, id);
+                remove_member(state, id).await;
                 events.push(Event::Kill {
                     step: s,
                     id: member.clone(),
@@ -855,59 +834,120 @@ async fn commit(
         checksums: state.args.league.checksums_by_name(),
     })?;
     let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+    let wire = wire_bytes(state);
     let line = super::metrics::line(
         &state.args.league,
         &state.args.scenario,
         &outcome.metrics,
         wall_ms,
+        wire,
     );
     state.args.metrics.append(&line)?;
     state.step_times.push(wall_ms / 1e3);
     if s.is_multiple_of(state.args.scenario.checkpoint.every) || s == state.args.last_step {
         checkpoint(state).await?;
+        if s < state.args.last_step {
+            rejoin(state, s).await?;
+        }
     }
     super::progress::summary(&line, state.args.last_step);
     Ok(())
 }
 
+/// A node that was left out and now joins (a full handshake) ends this
+/// launch at the checkpoint just written (as a [`super::NodeBack`]); the run
+/// resumes from it with the node.
+async fn rejoin(state: &mut State, s: u64) -> anyhow::Result<()> {
+    match state.sites.rejoined().await {
+        Some(node) => Err(anyhow::Error::new(super::NodeBack { node, step: s })),
+        None => Ok(()),
+    }
+}
+
+/// What crossed the wire to nodes since the last metrics line (the last
+/// step's checkpoint and this step's retries included); `None` without nodes.
+fn wire_bytes(state: &mut State) -> Option<WireBytes> {
+    let (sent, received) = state.sites.traffic();
+    let (sent0, received0) = std::mem::replace(&mut state.traffic_mark, (sent, received));
+    (!state.args.scenario.cluster.is_local()).then_some(WireBytes {
+        sent: sent - sent0,
+        received: received - received0,
+    })
+}
+
 /// Save the league and every member under `checkpoints/step-N` (written
-/// aside, then renamed into place) and refresh `members/<id>/`.
+/// aside, then renamed into place) and refresh `members/<id>/`. Members are
+/// fetched one at a time, so the coordinator never holds them all.
 async fn checkpoint(state: &mut State) -> anyhow::Result<()> {
     let s = state.args.league.step;
-    let dir = &state.args.dir;
-    let final_dir = dir.checkpoint(s);
-    let tmp = dir.checkpoints().join(format!(".tmp-step-{s:06}"));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(tmp.join("members"))?;
-    let mut league = state.args.league.clone();
-    league.journal_lines = state.args.journal.lines + 1;
-    league.metrics_lines = state.args.metrics.lines;
-    std::fs::write(tmp.join("league.json"), serde_json::to_vec_pretty(&league)?)?;
-    for (&id, actor) in &state.members {
-        let name = league.name(id);
-        for target in [tmp.join("members").join(&name), dir.members().join(&name)] {
-            let _ = std::fs::remove_dir_all(&target);
-            let base = state.args.engine.base.clone();
-            ask(actor, |reply| MemberMsg::Save {
-                dir: target.clone(),
-                base,
-                reply,
-            })
+    let aside = Checkpoint::begin(state)?;
+    for id in state
+        .args
+        .league
+        .members
+        .keys()
+        .copied()
+        .collect::<Vec<_>>()
+    {
+        let learner = state
+            .sites
+            .learner(id)
             .await
-            .map_err(|d| anyhow::anyhow!(d.message))??;
-        }
+            .map_err(|e| into_anyhow(e, s))?;
+        aside.save(state, id, &learner)?;
     }
-    // members/ holds the live population only; the dead stay in older checkpoints.
-    for entry in std::fs::read_dir(dir.members())?.flatten() {
-        let name = entry.file_name().to_string_lossy().to_string();
-        if league.by_name(&name).is_none() {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
+    aside.finish(state)
+}
+
+/// A checkpoint being written: `checkpoints/.tmp-step-N` until it is complete.
+struct Checkpoint {
+    tmp: std::path::PathBuf,
+}
+
+impl Checkpoint {
+    fn begin(state: &State) -> anyhow::Result<Checkpoint> {
+        let s = state.args.league.step;
+        let tmp = state
+            .args
+            .dir
+            .checkpoints()
+            .join(format!(".tmp-step-{s:06}"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(tmp.join("members"))?;
+        let mut league = state.args.league.clone();
+        league.journal_lines = state.args.journal.lines + 1;
+        league.metrics_lines = state.args.metrics.lines;
+        std::fs::write(tmp.join("league.json"), serde_json::to_vec_pretty(&league)?)?;
+        Ok(Checkpoint { tmp })
     }
-    let _ = std::fs::remove_dir_all(&final_dir);
-    std::fs::rename(&tmp, &final_dir)?;
-    state.args.journal.append(&Event::Checkpoint { step: s })?;
-    Ok(())
+
+    /// Member `id` into the checkpoint and into `members/<id>/`.
+    fn save(&self, state: &State, id: MemberId, learner: &Learner) -> anyhow::Result<()> {
+        let name = state.args.league.name(id);
+        let live = state.args.dir.members().join(&name);
+        for target in [self.tmp.join("members").join(&name), live] {
+            let _ = std::fs::remove_dir_all(&target);
+            member::save(learner, &target, &state.args.engine.base)?;
+        }
+        Ok(())
+    }
+
+    fn finish(self, state: &mut State) -> anyhow::Result<()> {
+        let s = state.args.league.step;
+        let dir = &state.args.dir;
+        // members/ holds the live population only; the dead stay in older checkpoints.
+        for entry in std::fs::read_dir(dir.members())?.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if state.args.league.by_name(&name).is_none() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let final_dir = dir.checkpoint(s);
+        let _ = std::fs::remove_dir_all(&final_dir);
+        std::fs::rename(&self.tmp, &final_dir)?;
+        state.args.journal.append(&Event::Checkpoint { step: s })?;
+        Ok(())
+    }
 }
 
 async fn finish(myself: &ActorRef<CoordinatorMsg>, state: &mut State, result: anyhow::Result<()>) {
@@ -915,6 +955,9 @@ async fn finish(myself: &ActorRef<CoordinatorMsg>, state: &mut State, result: an
         Ok(()) => end(state).await,
         Err(e) => Err(e),
     };
+    // Before `done`: the next launch in this process must not meet this
+    // one's sessions (or their remote actors in the process groups).
+    state.sites.shut_down().await;
     publish(state, "finished");
     if let Some(done) = state.done.take() {
         let _ = done.send(result);

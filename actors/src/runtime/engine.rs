@@ -38,6 +38,22 @@ impl Engine {
         } else {
             Arc::new(model.to_device(&device)?)
         };
+        Engine::on(scenario, model, decode_model, Arc::new(tokenizer))
+    }
+
+    /// `scenario`'s engine on the base `self` loaded (for a scenario with the
+    /// same `[model]`): every setting is `scenario`'s, the weights are shared.
+    pub fn reuse_base(&self, scenario: &Scenario) -> anyhow::Result<Engine> {
+        let (model, decode) = (self.model.clone(), self.decode_model.clone());
+        Engine::on(scenario, model, decode, self.tokenizer.clone())
+    }
+
+    fn on(
+        scenario: &Scenario,
+        model: Arc<Llama>,
+        decode_model: Arc<Llama>,
+        tokenizer: Arc<Tokenizer>,
+    ) -> anyhow::Result<Engine> {
         let settings = Settings::from_scenario(scenario);
         let grammars = Grammars::compile(&tokenizer, model.config.vocab_size, &settings)
             .context("compiling the reply grammars")?;
@@ -45,7 +61,7 @@ impl Engine {
             base: BaseRef::of(&model.config),
             model,
             decode_model,
-            tokenizer: Arc::new(tokenizer),
+            tokenizer,
             settings: Arc::new(settings),
             grammars: Arc::new(grammars),
             lora: scenario.adapter_config(),
@@ -73,4 +89,31 @@ fn base_model(
 fn load(path: &std::path::Path) -> anyhow::Result<(Llama, Tokenizer)> {
     let base = BaseModel::load(path).with_context(|| format!("loading {}", path.display()))?;
     Ok((base.model, base.tokenizer))
+}
+
+/// The base's identity for a cluster handshake: SHA-256 (first 16 hex
+/// digits) of its shape fingerprint, its token embeddings and its final
+/// norm. Two bases with the same fingerprint have the same shape and the
+/// same input and output layers; a different model, or the same one
+/// fine-tuned, differs.
+pub fn fingerprint(model: &Llama) -> anyhow::Result<String> {
+    use sha2::{Digest, Sha256};
+    /// Rows hashed at a time (bounds the copy for a large vocabulary).
+    const ROWS: usize = 4096;
+    let mut hash = Sha256::new();
+    hash.update(populora::lora::shape_fingerprint(&model.config).as_bytes());
+    for tensor in [&model.embed, &model.final_norm.unsqueeze(0)?] {
+        let rows = tensor.dim(0)?;
+        for start in (0..rows).step_by(ROWS) {
+            let chunk = tensor.narrow(0, start, ROWS.min(rows - start))?;
+            let values = chunk
+                .to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            hash.update(&bytes);
+        }
+    }
+    let digest = hash.finalize();
+    Ok(digest[..8].iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -37,6 +37,7 @@ pub struct Plan {
     pub born: Vec<Newborn>,
 }
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum EvolutionMsg {
     /// Cull and replace within one role (`label` keys the streams: "teacher", "student").
     Evolve {

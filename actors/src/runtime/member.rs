@@ -1,9 +1,8 @@
 //! A `Member` actor: one adapter and its optimizer state. The broker holds a
 //! handle to the adapter for the batches; the member applies its own update
 //! from the gradients of each train step, and gives snapshots (for rollback
-//! and breeding) and saves its files.
+//! and breeding).
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use populora::lora::{AdamW, Adapter, AdapterGrads, BaseRef};
@@ -28,6 +27,7 @@ pub struct Updated {
 
 pub type Reply<T> = RpcReplyPort<anyhow::Result<T>>;
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum MemberMsg {
     /// Apply this step's gradients (clipped, then AdamW).
     Update {
@@ -37,11 +37,6 @@ pub enum MemberMsg {
     },
     /// A deep copy of the adapter and optimizer, for rollback and breeding.
     Snapshot { reply: Reply<Learner> },
-    Save {
-        dir: PathBuf,
-        base: BaseRef,
-        reply: Reply<()>,
-    },
 }
 
 pub struct Member;
@@ -73,9 +68,6 @@ impl Actor for Member {
             MemberMsg::Snapshot { reply } => {
                 let _ = reply.send(snapshot(&state.learner));
             }
-            MemberMsg::Save { dir, base, reply } => {
-                let _ = reply.send(save(&state.learner, &dir, &base));
-            }
         }
         Ok(())
     }
@@ -102,7 +94,8 @@ pub fn snapshot(learner: &Learner) -> anyhow::Result<Learner> {
     })
 }
 
-fn save(learner: &Learner, dir: &std::path::Path, base: &BaseRef) -> anyhow::Result<()> {
+/// Write a learner's adapter and optimizer under `dir` (a checkpoint's member directory).
+pub fn save(learner: &Learner, dir: &std::path::Path, base: &BaseRef) -> anyhow::Result<()> {
     learner.adapter.save(&rundir::adapter_dir(dir), base)?;
     learner.optimizer.save(&rundir::optimizer_dir(dir))?;
     Ok(())

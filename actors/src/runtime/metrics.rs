@@ -2,13 +2,19 @@
 //! metrics with member names, and each member's role, rating and fitness.
 
 use populora::rating::{Rating, TrueSkillConfig};
-use populora::run_files::{MemberLine, MetricsLine, ProgramLine};
+use populora::run_files::{MemberLine, MetricsLine, ProgramLine, WireBytes};
 use populora::scenario::Scenario;
 use populora::selfplay::{MemberId, StepMetrics};
 
 use super::league::League;
 
-pub fn line(league: &League, scenario: &Scenario, m: &StepMetrics, wall_ms: f64) -> MetricsLine {
+pub fn line(
+    league: &League,
+    scenario: &Scenario,
+    m: &StepMetrics,
+    wall_ms: f64,
+    wire_bytes: Option<WireBytes>,
+) -> MetricsLine {
     let evolution = &scenario.evolution;
     let member = |id: MemberId| {
         let info = &league.members[&id];
@@ -48,5 +54,6 @@ pub fn line(league: &League, scenario: &Scenario, m: &StepMetrics, wall_ms: f64)
         tokens: m.tokens.clone(),
         compute: Some(m.compute),
         compute_total: Some(league.spent),
+        wire_bytes,
     }
 }

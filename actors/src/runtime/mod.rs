@@ -5,20 +5,29 @@
 //! |---|---|
 //! | [`coordinator`] | the step loop and its barriers, matching, ratings, buffers, journal, checkpoints, live commands, supervision of members |
 //! | [`member`] | one adapter, its optimizer state and stream; builds its prompts, applies its own updates |
-//! | [`broker`] | the base model: batches every member's compute of a phase into one pass, on a blocking thread |
+//! | [`broker`] | the base model: batches its site's members' compute of a phase into one pass, on a blocking thread |
 //! | [`verifier`] | the sandbox pool (checker and zygote processes; a dead one is replaced and its job retried once) |
 //! | [`evolution`] | fitness ranking, culls, offspring by crossover + mutation |
+//! | [`node`] | a worker node (`populora node`): its broker and members, for a remote coordinator |
 //!
-//! Plain modules: [`rundir`] (files of a run), [`journal`] (the event log),
+//! Plain modules: [`site`] (where members live: this process or a node;
+//! each phase's batch split by site), [`cluster`] (the coordinator's links
+//! to worker nodes over ractor_cluster), [`wire`] (what crosses between
+//! them), [`rundir`] (files of a run), [`journal`] (the event log),
 //! [`control`] (the control socket), [`engine`] (scenario → engine settings
-//! and model), [`replay`] (replay and resume).
+//! and model), [`replay`] (replay, resume, and resuming after a node is
+//! lost or back).
 //!
 //! Determinism: phases are barriers; the broker orders requests by member id
 //! before batching; every random draw comes from a stream keyed by the seed,
 //! the step and a purpose; live commands take effect at step boundaries and
 //! are journaled with the step, so a replay applies them at the same point.
+//! On nodes, placement is a pure function of the scenario and the nodes up,
+//! and each site's results go back to their place in the batch; which rows
+//! share a batch depends on the layout, so bits match under the same layout.
 
 pub mod broker;
+pub mod cluster;
 pub mod control;
 pub mod coordinator;
 pub mod engine;
@@ -27,10 +36,13 @@ pub mod journal;
 pub mod league;
 pub mod member;
 pub mod metrics;
+pub mod node;
 pub mod progress;
 pub mod replay;
 pub mod rundir;
+pub mod site;
 pub mod verifier;
+pub mod wire;
 
 use ractor::{ActorRef, Message, MessagingErr, RpcReplyPort};
 
@@ -64,6 +76,72 @@ impl Died {
         Died::member(name, format!("{name}: {}", self.message))
     }
 }
+
+/// Why a step attempt failed.
+pub enum StepError {
+    /// A member (or another actor) died: restart it and retry the step.
+    Died(Died),
+    /// A worker node stopped answering: the run goes back to its last
+    /// checkpoint on the nodes still up.
+    NodeLost(NodeLost),
+    /// Anything else stops the run.
+    Fatal(anyhow::Error),
+}
+
+impl From<Died> for StepError {
+    fn from(d: Died) -> Self {
+        StepError::Died(d)
+    }
+}
+
+impl From<populora::selfplay::Error> for StepError {
+    fn from(e: populora::selfplay::Error) -> Self {
+        StepError::Fatal(e.into())
+    }
+}
+
+impl From<anyhow::Error> for StepError {
+    fn from(e: anyhow::Error) -> Self {
+        StepError::Fatal(e)
+    }
+}
+
+/// A worker node was lost; how it was noticed.
+#[derive(Debug, Clone)]
+pub struct NodeLost {
+    pub node: String,
+    pub message: String,
+    /// The step in progress when it was noticed (0 before the first).
+    pub step: u64,
+}
+
+impl std::fmt::Display for NodeLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "node {} was lost in step {}: {}",
+            self.node, self.step, self.message
+        )
+    }
+}
+
+impl std::error::Error for NodeLost {}
+
+/// A node that was down answers again: the run continues from the
+/// checkpoint of `step` with it in the layout.
+#[derive(Debug, Clone)]
+pub struct NodeBack {
+    pub node: String,
+    pub step: u64,
+}
+
+impl std::fmt::Display for NodeBack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "node {} is back after step {}", self.node, self.step)
+    }
+}
+
+impl std::error::Error for NodeBack {}
 
 /// `call` an actor and wait for its answer without a timeout; a dead actor
 /// becomes [`Died`] rather than a panic.

@@ -14,18 +14,69 @@ use populora::selfplay::{Learner, MemberId};
 use ractor::Actor;
 use tokio::sync::{mpsc, oneshot};
 
+use super::cluster::{read_cookie, Unreachable};
 use super::control::{self, Command, Shared};
-use super::coordinator::{Coordinator, CoordinatorArgs, Summary};
+use super::coordinator::{Coordinator, CoordinatorArgs, Summary, DEFERRED};
 use super::engine::Engine;
 use super::journal::{self, Event, Log, Source};
 use super::league::League;
 use super::member;
 use super::rundir::RunDir;
+use super::{NodeBack, NodeLost};
 
-/// A new run of `scenario` in `out`.
+/// A new run of `scenario` in `out`. A worker node lost mid-run sends it
+/// back to its last checkpoint on the nodes still up ([`recover`]).
 pub fn fresh(scenario: Scenario, out: &Path) -> anyhow::Result<Summary> {
-    fresh_with(scenario, out, BTreeMap::new(), None)
+    recover(out, fresh_with(scenario, out, BTreeMap::new(), None))
 }
+
+/// While `result` is a lost node: journal it and resume from the last
+/// checkpoint without that node (its members move to the nodes still up,
+/// or to this process when none is).
+fn recover(root: &Path, mut result: anyhow::Result<Summary>) -> anyhow::Result<Summary> {
+    // (the step the last change happened in, changes at that step)
+    let mut stuck = (0, 0);
+    loop {
+        let Err(e) = &result else {
+            return result;
+        };
+        let (step, change) = if let Some(lost) = e.downcast_ref::<NodeLost>() {
+            eprintln!("{lost}; going back to the last checkpoint on the nodes still up");
+            let event = Event::NodeLost {
+                step: lost.step,
+                node: lost.node.clone(),
+                message: lost.message.clone(),
+                resumed_from: 0,
+            };
+            (lost.step, event)
+        } else if let Some(back) = e.downcast_ref::<NodeBack>() {
+            eprintln!("{back}; continuing from that checkpoint with it");
+            let event = Event::NodeBack {
+                step: back.step,
+                node: back.node.clone(),
+            };
+            (back.step, event)
+        } else {
+            return result;
+        };
+        stuck = if step > stuck.0 {
+            (step, 1)
+        } else {
+            (stuck.0, stuck.1 + 1)
+        };
+        if stuck.1 > MAX_LAYOUT_CHANGES {
+            return result.context(format!(
+                "the nodes changed {MAX_LAYOUT_CHANGES} times without the run getting past step {step}; stopped (`populora resume` continues)"
+            ));
+        }
+        result = resume_after(root, Some(change));
+    }
+}
+
+/// Layout changes (a node lost or back) without progress before a `run` or
+/// `resume` gives up: a node that dies at the same step every time cannot
+/// keep the run looping.
+const MAX_LAYOUT_CHANGES: usize = 16;
 
 fn fresh_with(
     scenario: Scenario,
@@ -65,9 +116,19 @@ fn fresh_with(
     })?;
     let metrics = Log::open(&dir.metrics(), None)?;
     let last_step = last_step.unwrap_or(scenario.steps);
-    launch(
-        scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics,
-    )
+    let run = Run {
+        scenario,
+        dir,
+        engine,
+        league,
+        learners,
+        scheduled,
+        last_step,
+        journal,
+        metrics,
+        unreachable: Unreachable::Refuse,
+    };
+    launch(run)
 }
 
 /// Continue `dir` from its newest checkpoint that loads. A newer one that
@@ -75,6 +136,12 @@ fn fresh_with(
 /// and the steps since the older one run again. Live commands the crashed
 /// run had applied after that checkpoint are applied again at their steps.
 pub fn resume(root: &Path) -> anyhow::Result<Summary> {
+    recover(root, resume_after(root, None))
+}
+
+/// [`resume`], journaling the layout change it follows (a `node_lost`'s
+/// `resumed_from` is filled in here).
+fn resume_after(root: &Path, change: Option<Event>) -> anyhow::Result<Summary> {
     let dir = RunDir::new(root);
     let scenario = Scenario::from_file(dir.scenario(), check_operator)?;
     let events = journal::read(&dir.journal())?;
@@ -99,16 +166,62 @@ pub fn resume(root: &Path) -> anyhow::Result<Summary> {
     ) = newest_loadable_checkpoint(&dir)?;
     let scheduled = live_commands(&events, |s| s > step);
     let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
+    // What happened to the nodes and checkpoints after the checkpoint stays
+    // in the history.
+    let history: Vec<&Event> = events
+        .iter()
+        .skip(league.journal_lines)
+        .filter(|e| {
+            matches!(
+                e,
+                Event::Layout { .. }
+                    | Event::NodeLost { .. }
+                    | Event::NodeBack { .. }
+                    | Event::CheckpointSkipped { .. }
+            )
+        })
+        .collect();
     let mut journal = Log::open(&dir.journal(), Some(league.journal_lines))?;
+    for event in history {
+        journal.append(event)?;
+    }
+    // The commands still to apply, kept in the journal until they are (a
+    // second loss before their step reads them from here).
+    for (&at, commands) in &scheduled {
+        for command in commands {
+            journal.append(&Event::Control {
+                step: at,
+                command: command.clone(),
+                source: Source::Ctl,
+                outcome: format!("{DEFERRED}: rerun from the checkpoint of step {step}"),
+            })?;
+        }
+    }
     for event in set_aside(&dir, skipped)? {
         journal.append(&event)?;
+    }
+    if let Some(mut change) = change {
+        if let Event::NodeLost { resumed_from, .. } = &mut change {
+            *resumed_from = step;
+        }
+        journal.append(&change)?;
     }
     let metrics = Log::open(&dir.metrics(), Some(league.metrics_lines))?;
     eprintln!("resuming {} from step {step}", root.display());
     let last_step = scenario.steps;
-    launch(
-        scenario, dir, engine, league, learners, scheduled, last_step, journal, metrics,
-    )
+    let run = Run {
+        scenario,
+        dir,
+        engine,
+        league,
+        learners,
+        scheduled,
+        last_step,
+        journal,
+        metrics,
+        unreachable: Unreachable::Skip,
+    };
+    launch(run)
 }
 
 /// A checkpoint as resume needs it: the league and every live member.
@@ -200,9 +313,13 @@ fn set_aside(dir: &RunDir, skipped: Vec<(u64, String)>) -> anyhow::Result<Vec<Ev
 
 /// Re-execute a finished run into `DIR/replay/` and compare every step's
 /// checksums with the journal; the error names the first divergence.
-pub fn replay(root: &Path) -> anyhow::Result<Summary> {
+pub fn replay(
+    root: &Path,
+    adjust: impl FnOnce(&mut Scenario) -> anyhow::Result<()>,
+) -> anyhow::Result<Summary> {
     let dir = RunDir::new(root);
-    let scenario = Scenario::from_file(dir.scenario(), check_operator)?;
+    let mut scenario = Scenario::from_file(dir.scenario(), check_operator)?;
+    adjust(&mut scenario)?;
     let recorded = journal::read(&dir.journal())?;
     let Some(end) = recorded.iter().find_map(|e| match e {
         Event::End { step, .. } => Some(*step),
@@ -229,22 +346,35 @@ pub fn replay(root: &Path) -> anyhow::Result<Summary> {
 }
 
 /// Kill and inject commands that came over the socket, by step.
+/// Kill and inject commands that came over the socket, by step. A step
+/// that committed journaled every command it applied; a step lost with a
+/// node journaled its commands as deferred. The deferred ones count only
+/// for a step that has no other record (it has not run again yet).
 fn live_commands(events: &[Event], keep: impl Fn(u64) -> bool) -> BTreeMap<u64, Vec<Command>> {
-    let mut out: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
+    let mut applied: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
+    let mut deferred: BTreeMap<u64, Vec<Command>> = BTreeMap::new();
     for e in events {
         if let Event::Control {
             step,
             command,
             source: Source::Ctl,
-            ..
+            outcome,
         } = e
         {
             if keep(*step) && command.changes_results() {
-                out.entry(*step).or_default().push(command.clone());
+                let by_step = if outcome.starts_with(DEFERRED) {
+                    &mut deferred
+                } else {
+                    &mut applied
+                };
+                by_step.entry(*step).or_default().push(command.clone());
             }
         }
     }
-    out
+    for (step, commands) in deferred {
+        applied.entry(step).or_insert(commands);
+    }
+    applied
 }
 
 fn step_checksums(events: &[Event]) -> Vec<(u64, &BTreeMap<String, String>)> {
@@ -282,8 +412,8 @@ pub fn compare(recorded: &[Event], replayed: &[Event]) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn launch(
+/// Everything a coordinator starts from.
+struct Run {
     scenario: Scenario,
     dir: RunDir,
     engine: Engine,
@@ -293,7 +423,29 @@ fn launch(
     last_step: u64,
     journal: Log,
     metrics: Log,
-) -> anyhow::Result<Summary> {
+    unreachable: Unreachable,
+}
+
+fn launch(run: Run) -> anyhow::Result<Summary> {
+    let Run {
+        scenario,
+        dir,
+        engine,
+        league,
+        learners,
+        scheduled,
+        last_step,
+        journal,
+        metrics,
+        unreachable,
+    } = run;
+    let cookie = match (&scenario.cluster.cookie_file, scenario.cluster.is_local()) {
+        (_, true) => None,
+        (Some(file), false) => Some(read_cookie(file)?),
+        (None, false) => anyhow::bail!(
+            "the scenario names worker nodes but no cookie file: set cluster.cookie_file or pass --cookie-file"
+        ),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -316,6 +468,8 @@ fn launch(
             status,
             journal,
             metrics,
+            cookie,
+            unreachable,
             done,
         };
         let (_coordinator, handle) = Actor::spawn(None, Coordinator, args)

@@ -13,6 +13,7 @@ use populora::selfplay::{
 use populora::verify::{SandboxConfig, VerifierPool};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+#[derive(ractor_cluster::RactorMessage)]
 pub enum VerifierMsg {
     Proposals {
         step: u64,
