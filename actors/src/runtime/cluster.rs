@@ -32,7 +32,7 @@ use tokio_rustls::rustls::{
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use super::broker::Usage;
-use super::engine::{self, Engine};
+use super::engine::Engine;
 use super::node::{HeartbeatMsg, NodeMsg, HEARTBEAT_GROUP, NODE_GROUP, VERSION};
 use super::wire::{self, Answer, Failure, PackedLearner, Reply, Request, WireGenRequest};
 use super::{ask, Died, NodeLost, StepError};
@@ -170,7 +170,7 @@ impl NodeLink {
 
     pub async fn generate(&self, requests: Vec<GenRequest>) -> SiteResult<Vec<Generation>> {
         let requests = requests
-            .iter()
+            .into_iter()
             .map(|r| WireGenRequest::of(r, &self.grammars))
             .collect::<anyhow::Result<Vec<_>>>()?;
         match self.call(&Request::Generate { requests }).await? {
@@ -184,7 +184,7 @@ impl NodeLink {
         step: u64,
         rows: Vec<TrainRow>,
     ) -> SiteResult<BTreeMap<MemberId, Trained>> {
-        let rows = rows.iter().map(Into::into).collect();
+        let rows = rows.into_iter().map(Into::into).collect();
         match self.call(&Request::Train { step, rows }).await? {
             Reply::Trained(out) => Ok(out),
             _ => Err(self.unexpected()),
@@ -443,7 +443,7 @@ pub async fn connect(
         tls,
         hello: Request::Hello {
             version: VERSION.to_string(),
-            fingerprint: engine::fingerprint(&engine.model)?,
+            fingerprint: engine.fingerprint()?,
             scenario: scenario.to_toml(),
             coordinator: coordinator_name(),
         },

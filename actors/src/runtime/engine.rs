@@ -26,6 +26,9 @@ pub struct Engine {
     pub lora: LoraConfig,
     pub adamw: AdamWConfig,
     pub sandbox: SandboxConfig,
+    /// [`fingerprint`] of `model`, computed on first use (cluster runs only)
+    /// and shared by engines on the same weights.
+    fingerprint: Arc<std::sync::OnceLock<String>>,
 }
 
 impl Engine {
@@ -45,7 +48,20 @@ impl Engine {
     /// same `[model]`): every setting is `scenario`'s, the weights are shared.
     pub fn reuse_base(&self, scenario: &Scenario) -> anyhow::Result<Engine> {
         let (model, decode) = (self.model.clone(), self.decode_model.clone());
-        Engine::on(scenario, model, decode, self.tokenizer.clone())
+        let engine = Engine::on(scenario, model, decode, self.tokenizer.clone())?;
+        Ok(Engine {
+            fingerprint: self.fingerprint.clone(),
+            ..engine
+        })
+    }
+
+    /// The base's [`fingerprint`], hashed once per loaded base.
+    pub fn fingerprint(&self) -> anyhow::Result<String> {
+        if let Some(done) = self.fingerprint.get() {
+            return Ok(done.clone());
+        }
+        let computed = fingerprint(&self.model)?;
+        Ok(self.fingerprint.get_or_init(|| computed).clone())
     }
 
     fn on(
@@ -67,6 +83,7 @@ impl Engine {
             lora: scenario.adapter_config(),
             adamw: scenario.adamw_config(),
             sandbox: scenario.sandbox_config(),
+            fingerprint: Arc::default(),
         })
     }
 }
@@ -96,7 +113,7 @@ fn load(path: &std::path::Path) -> anyhow::Result<(Llama, Tokenizer)> {
 /// norm. Two bases with the same fingerprint have the same shape and the
 /// same input and output layers; a different model, or the same one
 /// fine-tuned, differs.
-pub fn fingerprint(model: &Llama) -> anyhow::Result<String> {
+fn fingerprint(model: &Llama) -> anyhow::Result<String> {
     use sha2::{Digest, Sha256};
     /// Rows hashed at a time (bounds the copy for a large vocabulary).
     const ROWS: usize = 4096;

@@ -17,7 +17,7 @@ use anyhow::Context;
 use populora::scenario::{check_operator, ModelSource, Scenario};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 
-use super::engine::{self, Engine};
+use super::engine::Engine;
 use super::site::LocalSite;
 use super::wire::{self, Answer, Failure, PackedLearner, Reply, Request, WireGeneration};
 use super::StepError;
@@ -199,7 +199,7 @@ async fn serve(myself: &ActorRef<NodeMsg>, state: &mut NodeState, request: Reque
                     .map(|r| r.request(&engine.grammars))
                     .collect::<anyhow::Result<Vec<_>>>()?;
                 let out = site.generate(requests).await?;
-                Reply::Generations(out.iter().map(WireGeneration::from).collect())
+                Reply::Generations(out.into_iter().map(WireGeneration::from).collect())
             }
             Request::Train { step, rows } => {
                 let rows = rows.into_iter().map(Into::into).collect();
@@ -271,7 +271,7 @@ async fn hello(
             Arc::new(engine)
         }
     };
-    let ours = engine::fingerprint(&engine.model)?;
+    let ours = engine.fingerprint()?;
     anyhow::ensure!(
         ours == fingerprint,
         "refused: the coordinator's base model has fingerprint {fingerprint}, this node's {ours} ({}); start the node with the run's model (--model PATH)",

@@ -226,7 +226,7 @@ impl WireRng {
 }
 
 impl WireGenRequest {
-    pub fn of(r: &GenRequest, grammars: &Grammars) -> anyhow::Result<WireGenRequest> {
+    pub fn of(r: GenRequest, grammars: &Grammars) -> anyhow::Result<WireGenRequest> {
         let grammar = match &r.grammar {
             None => None,
             Some(g) => Some(grammars.index_of(g).ok_or_else(|| {
@@ -235,9 +235,9 @@ impl WireGenRequest {
         };
         Ok(WireGenRequest {
             adapter: r.adapter,
-            prompt: r.prompt.clone(),
+            prompt: r.prompt,
             max_new_tokens: r.max_new_tokens,
-            stop: r.stop.clone(),
+            stop: r.stop,
             temperature: r.sampling.temperature,
             top_p: r.sampling.top_p,
             rng: WireRng::of(&r.rng),
@@ -304,8 +304,8 @@ pub struct WireGeneration {
     stop: StopReason,
 }
 
-impl From<&Generation> for WireGeneration {
-    fn from(g: &Generation) -> WireGeneration {
+impl From<Generation> for WireGeneration {
+    fn from(g: Generation) -> WireGeneration {
         let picks = g
             .picks
             .iter()
@@ -316,10 +316,10 @@ impl From<&Generation> for WireGeneration {
             })
             .collect();
         WireGeneration {
-            tokens: g.tokens.clone(),
-            logprobs: g.logprobs.clone(),
+            tokens: g.tokens,
+            logprobs: g.logprobs,
             picks,
-            top: g.top.clone(),
+            top: g.top,
             stop: g.stop,
         }
     }
@@ -358,14 +358,14 @@ pub struct WireTrainRow {
     temperature: f32,
 }
 
-impl From<&TrainRow> for WireTrainRow {
-    fn from(r: &TrainRow) -> WireTrainRow {
+impl From<TrainRow> for WireTrainRow {
+    fn from(r: TrainRow) -> WireTrainRow {
         WireTrainRow {
             adapter: r.adapter,
-            tokens: r.tokens.clone(),
-            loss_mask: r.loss_mask.clone(),
-            advantages: r.advantages.clone(),
-            old_logprobs: r.old_logprobs.clone(),
+            tokens: r.tokens,
+            loss_mask: r.loss_mask,
+            advantages: r.advantages,
+            old_logprobs: r.old_logprobs,
             allowed: r
                 .allowed
                 .iter()
@@ -401,7 +401,7 @@ mod tests {
 
     #[test]
     fn a_corrupted_message_is_refused_and_a_good_one_round_trips() {
-        let rows = vec![WireTrainRow::from(&TrainRow {
+        let rows = vec![WireTrainRow::from(TrainRow {
             adapter: 3,
             tokens: vec![1, 2, 3],
             loss_mask: vec![false, true, true],
