@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--demo" ]]; then
     shift
     run_dir="${1:?usage: $0 --demo RUN_DIR}"
-    POPULORA_REPORT_DEMO="$run_dir" cargo test --workspace --quiet --test report full_run_writes_every_plot_and_the_page >/dev/null
+    POPULORA_REPORT_DEMO="$run_dir" cargo test --workspace --release --quiet --test engine report::full_run_writes_every_plot_and_the_page >/dev/null
 fi
 run_dir="$(realpath "${1:?usage: $0 [--demo] RUN_DIR}")"
 

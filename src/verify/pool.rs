@@ -92,6 +92,16 @@ impl VerifierPool {
         lock(&self.checkers.layers).clone()
     }
 
+    /// Process ids of the checkers waiting for work (all of them between
+    /// batches): the processes that `ps` or a test may look at.
+    pub fn checker_pids(&self) -> Vec<u32> {
+        lock(&self.checkers.idle)
+            .iter()
+            .flatten()
+            .map(Server::pid)
+            .collect()
+    }
+
     pub fn config(&self) -> &SandboxConfig {
         &self.config
     }

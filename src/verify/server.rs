@@ -137,6 +137,11 @@ pub(crate) struct Server {
 }
 
 impl Server {
+    /// The server process's id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn start(config: &SandboxConfig, role: Role) -> Result<Server, Error> {
         let server_config = ServerConfig {
             role,

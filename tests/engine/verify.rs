@@ -18,6 +18,21 @@ fn serial() -> MutexGuard<'static, ()> {
 /// that the hostile programs that must time out don't slow the suite.
 const TEST_TIMEOUT_MS: u64 = 1500;
 
+/// The uid the pools of these tests drop to: their own, not the default
+/// `nobody` of every other pool in this test process (the self-play and
+/// eval tests run beside them), so the hostile programs here fill their own
+/// per-uid process limit and a check for processes left behind sees only
+/// theirs.
+const SANDBOX_UID: u32 = 64_998;
+
+fn sandbox_config() -> SandboxConfig {
+    SandboxConfig {
+        unprivileged_uid: SANDBOX_UID,
+        unprivileged_gid: SANDBOX_UID,
+        ..SandboxConfig::default()
+    }
+}
+
 fn pool(workers: usize) -> VerifierPool {
     let config = SandboxConfig {
         workers,
@@ -25,7 +40,7 @@ fn pool(workers: usize) -> VerifierPool {
             timeout_ms: TEST_TIMEOUT_MS,
             ..Limits::default()
         },
-        ..SandboxConfig::default()
+        ..sandbox_config()
     };
     VerifierPool::new(config).expect("start the sandbox pool")
 }
@@ -444,7 +459,7 @@ fn outputs_do_not_depend_on_the_worker() {
     assert!(outputs.iter().all(|o| o == &outputs[0]), "{outputs:?}");
     let fresh = VerifierPool::new(SandboxConfig {
         workers: 1,
-        ..SandboxConfig::default()
+        ..sandbox_config()
     })
     .unwrap();
     assert_eq!(
@@ -767,7 +782,7 @@ fn fallback_without_namespaces_still_contains() {
             timeout_ms: TEST_TIMEOUT_MS,
             ..Limits::default()
         },
-        ..SandboxConfig::default()
+        ..sandbox_config()
     })
     .unwrap();
     let layers = pool.layers();
@@ -911,11 +926,13 @@ fn a_deeply_nested_result_is_malformed_not_a_zygote_failure() {
 
 /// Pids of the checkers of pools in this process: our own children, with
 /// `"role":"checker"` in their configuration argument.
-fn checker_pids() -> Vec<i32> {
+/// The live checkers of `pool` (other tests' pools run in this process too).
+fn checker_pids(pool: &VerifierPool) -> Vec<i32> {
     let me = std::process::id();
     let role = br#""role":"checker""#;
+    let own = pool.checker_pids();
     let mut pids: Vec<i32> = processes()
-        .filter(|p| p.field("PPid:") == Some(me))
+        .filter(|p| p.field("PPid:") == Some(me) && own.contains(&p.pid))
         .filter(|p| {
             let cmdline = std::fs::read(format!("/proc/{}/cmdline", p.pid)).unwrap_or_default();
             cmdline.windows(role.len()).any(|w| w == role)
@@ -980,7 +997,7 @@ fn killed_checkers_are_replaced() {
     let jobs = checked_jobs();
     let expected: Vec<Status> = jobs.iter().map(|(_, status)| *status).collect();
     assert_eq!(statuses(&pool, &jobs), expected);
-    let killed = checker_pids();
+    let killed = checker_pids(&pool);
     assert_eq!(killed.len(), 2, "checkers: {killed:?}");
     for pid in &killed {
         // SAFETY: kill has no memory-safety preconditions; the pid is our child.
@@ -989,7 +1006,7 @@ fn killed_checkers_are_replaced() {
     assert_eq!(statuses(&pool, &jobs), expected);
     // A killed checker that no job happened to draw may still wait in its
     // slot (a zombie, not listed); any checker alive now is a fresh one.
-    let fresh = checker_pids();
+    let fresh = checker_pids(&pool);
     assert!(!fresh.is_empty(), "no fresh checker");
     assert!(
         fresh.iter().all(|pid| !killed.contains(pid)),
@@ -1012,10 +1029,10 @@ fn a_program_too_big_to_parse_retires_its_checker() {
             program_bytes: 16 << 20,
             ..Limits::default()
         },
-        ..SandboxConfig::default()
+        ..sandbox_config()
     })
     .expect("start the sandbox pool");
-    let before = checker_pids();
+    let before = checker_pids(&pool);
     let huge = format!("def f(a):\n    return [{}]", "1,".repeat(1_500_000));
     let mut jobs = checked_jobs();
     let expected: Vec<Status> = jobs.iter().map(|(_, status)| *status).collect();
@@ -1029,7 +1046,7 @@ fn a_program_too_big_to_parse_retires_its_checker() {
     rest.remove(2);
     assert_eq!(rest, expected);
     assert_eq!(statuses(&pool, &checked_jobs()), expected);
-    let after = checker_pids();
+    let after = checker_pids(&pool);
     assert_eq!(after.len(), 1, "checkers: {after:?}");
     assert_ne!(before, after, "the checker was not replaced");
 }

@@ -1,7 +1,5 @@
 //! Helpers of the tests that drive the `populora` binary as a user would.
 
-#![allow(dead_code)] // each test file uses its own share of them
-
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};

@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
-mod common;
-use common::{journal, ok, populora, text, wait_for};
+use crate::common::{journal, ok, populora, text, wait_for};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("populora-cluster-{}-{name}", std::process::id()));

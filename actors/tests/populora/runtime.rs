@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use populora::run_files::Event;
 
-mod common;
-use common::{journal, ok, populora, wait_for};
+use crate::common::{journal, ok, populora, wait_for};
 
 fn scenario(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
