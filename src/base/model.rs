@@ -297,6 +297,29 @@ impl Positions {
             mask: Tensor::from_vec(mask, (rows, 1, new, total), device)?,
         })
     }
+
+    /// Rows of `width` slots, no cache, where each slot carries any RoPE
+    /// position (`positions[r][slot]`, `width` of them per row) and a query
+    /// slot sees a key slot where `visible(row, query, key)`: packed train
+    /// rows, several sequences sharing one prompt.
+    pub fn packed(
+        positions: &[Vec<u32>],
+        width: usize,
+        visible: impl Fn(usize, usize, usize) -> bool,
+        device: &Device,
+    ) -> Result<Positions> {
+        let rows = positions.len();
+        let mut mask = Vec::with_capacity(rows * width * width);
+        for r in 0..rows {
+            for q in 0..width {
+                mask.extend((0..width).map(|k| if visible(r, q, k) { 0.0 } else { MASKED }));
+            }
+        }
+        Ok(Positions {
+            positions: Tensor::from_vec(positions.concat(), (rows, width), device)?,
+            mask: Tensor::from_vec(mask, (rows, 1, width, width), device)?,
+        })
+    }
 }
 
 /// What every block of one pass shares: each row's RoPE cos/sin

@@ -185,6 +185,28 @@ pub fn generate(
     Ok(generate_with_stats(model, adapters, requests)?.0)
 }
 
+/// How a batch is decoded beyond what its requests say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeOptions {
+    /// Rows with the same adapter and the same prompt (and the grammar's
+    /// same first forced tokens) run their prefill once, and its KV cache
+    /// starts each of their caches (default true). Every row keeps its
+    /// padding and its own stream, so it samples what it samples alone.
+    pub share_prefixes: bool,
+    /// How many of each picked token's most likely tokens to record
+    /// ([`Generation::top`]; default 0).
+    pub top: usize,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        DecodeOptions {
+            share_prefixes: true,
+            top: 0,
+        }
+    }
+}
+
 /// [`generate`], also saying where the time went.
 ///
 /// Constrained rows (a request with a grammar) sample from the masked,
@@ -198,7 +220,7 @@ pub fn generate_with_stats(
     adapters: &AdapterSet,
     requests: Vec<GenRequest>,
 ) -> Result<(Vec<Generation>, DecodeStats)> {
-    decode(model, adapters, requests, 0)
+    generate_with(model, adapters, requests, DecodeOptions::default())
 }
 
 /// [`generate`], also recording for every picked token the `top` most likely
@@ -216,16 +238,21 @@ pub fn generate_with_top(
     requests: Vec<GenRequest>,
     top: usize,
 ) -> Result<Vec<Generation>> {
-    Ok(decode(model, adapters, requests, top)?.0)
+    let options = DecodeOptions {
+        top,
+        ..DecodeOptions::default()
+    };
+    Ok(generate_with(model, adapters, requests, options)?.0)
 }
 
-/// The decoder behind [`generate_with_stats`] and [`generate_with_top`].
-fn decode(
+/// The decoder behind every `generate` function.
+pub fn generate_with(
     model: &Llama,
     adapters: &AdapterSet,
     requests: Vec<GenRequest>,
-    top: usize,
+    options: DecodeOptions,
 ) -> Result<(Vec<Generation>, DecodeStats)> {
+    let top = options.top;
     adapters.check(&model.config)?;
     let context = model.config.max_position_embeddings;
     for (row, r) in requests.iter().enumerate() {
@@ -258,17 +285,21 @@ fn decode(
     };
     let mut hook = hook_for(&active)?;
     let mut width = longest;
+    let mut prefill = true;
     while !active.is_empty() {
         let started = Instant::now();
-        let tokens = Tensor::from_vec(
-            take_feed(&mut active, width),
-            (active.len(), width),
-            &device,
-        )?;
+        let tokens = take_feed(&mut active, width);
         let pads: Vec<usize> = active.iter().map(|r| r.pad).collect();
-        let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
-        let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
-        let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
+        let logits = if prefill && options.share_prefixes {
+            let ids: Vec<_> = active.iter().map(|r| r.request.adapter).collect();
+            shared_prefill(model, adapters, &ids, &tokens, &pads, &mut cache)?
+        } else {
+            let tokens = Tensor::from_vec(tokens, (active.len(), width), &device)?;
+            let at = Positions::left_padded(&pads, cache.len(), width, &device)?;
+            let logits = model.forward(&tokens, &at, Some(&mut cache), &hook, Logits::Last)?;
+            logits.i((.., 0))?.to_vec2::<f32>()?
+        };
+        prefill = false;
         stats.passes += 1;
         stats.model_ms += ms(started);
 
@@ -292,6 +323,47 @@ fn decode(
         width = active.iter().map(|r| r.feed.len()).min().unwrap_or(1);
     }
     Ok((in_request_order(finished, count, &mut stats), stats))
+}
+
+/// The prefill of rows `ids` (their adapters) with tokens `tokens`
+/// (`[rows, width]`, left-padded by `pads`), each distinct row run once:
+/// rows with the same adapter and tokens share one run, whose keys and
+/// values then start each of their caches. Returns each row's last logits.
+fn shared_prefill(
+    model: &Llama,
+    adapters: &AdapterSet,
+    ids: &[Option<AdapterId>],
+    tokens: &[u32],
+    pads: &[usize],
+    cache: &mut KvCache,
+) -> Result<Vec<Vec<f32>>> {
+    let width = tokens.len() / ids.len().max(1);
+    let row = |r: usize| &tokens[r * width..(r + 1) * width];
+    // Each row's run: the first earlier row with the same adapter and tokens.
+    let mut runs: Vec<usize> = Vec::new();
+    let mut run_of: Vec<u32> = Vec::with_capacity(ids.len());
+    for r in 0..ids.len() {
+        let same = runs
+            .iter()
+            .position(|&u| ids[u] == ids[r] && row(u) == row(r));
+        run_of.push(same.unwrap_or_else(|| {
+            runs.push(r);
+            runs.len() - 1
+        }) as u32);
+    }
+    let device = model.device();
+    let run_tokens: Vec<u32> = runs.iter().flat_map(|&u| row(u).iter().copied()).collect();
+    let run_pads: Vec<usize> = runs.iter().map(|&u| pads[u]).collect();
+    let run_ids: Vec<_> = runs.iter().map(|&u| ids[u]).collect();
+    let hook = RowAdapters::new(adapters, &run_ids, device)?;
+    let at = Positions::left_padded(&run_pads, 0, width, device)?;
+    let input = Tensor::from_vec(run_tokens, (runs.len(), width), device)?;
+    let logits = model.forward(&input, &at, Some(&mut *cache), &hook, Logits::Last)?;
+    let logits = logits.i((.., 0))?.to_vec2::<f32>()?;
+    if runs.len() < ids.len() {
+        cache.select_rows(&Tensor::new(run_of.as_slice(), device)?)?;
+    }
+    Ok(run_of.iter().map(|&u| logits[u as usize].clone()).collect())
 }
 
 /// The next pass's tokens, `width` from each row's feed; the prefill

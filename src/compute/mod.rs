@@ -17,8 +17,8 @@ mod train;
 
 pub use cost::Cost;
 pub use generate::{
-    generate, generate_with_stats, generate_with_top, sample_token, DecodeStats, GenRequest,
-    Generation, Pick, Sampling, StopReason,
+    generate, generate_with, generate_with_stats, generate_with_top, sample_token, DecodeOptions,
+    DecodeStats, GenRequest, Generation, Pick, Sampling, StopReason,
 };
 pub use row_adapters::{AdapterId, AdapterSet, RowAdapters};
 pub use train::{

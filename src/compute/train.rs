@@ -46,6 +46,10 @@ pub struct ScoreRow {
 pub struct TrainRow {
     pub adapter: AdapterId,
     pub tokens: Vec<u32>,
+    /// How many leading tokens are the prompt. Rows of one adapter with the
+    /// same prompt are trained as one packed sequence, the prompt encoded once
+    /// ([`TrainConfig::share_prefixes`]); 0 never groups the row.
+    pub prompt_len: usize,
     pub loss_mask: Vec<bool>,
     pub advantages: Vec<f32>,
     pub old_logprobs: Vec<f32>,
@@ -58,10 +62,30 @@ pub struct TrainRow {
     pub temperature: f32,
 }
 
+impl TrainRow {
+    /// Positions in the loss.
+    fn scored(&self) -> Vec<(usize, u32)> {
+        scored(&self.tokens, |t| self.loss_mask[t])
+    }
+
+    /// Whether the row adds exactly nothing to the loss and its gradient:
+    /// every token in the loss has advantage 0 (PPO's term is then
+    /// `max(−0·ρ, −0·clip(ρ))`, 0 for every ρ), or none is in the loss.
+    pub fn contributes_nothing(&self) -> bool {
+        (0..self.tokens.len()).all(|t| !self.loss_mask[t] || self.advantages[t] == 0.0)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrainConfig {
     pub clip: f64,
     pub micro_batch_tokens: usize,
+    /// Encode each prompt once for all the rows that share it (Prefix
+    /// Grouper: the rows packed as `[prompt | answer₁ | … | answer_G]`), and
+    /// leave rows whose every advantage is 0 out of the forward and backward
+    /// (default true). The loss and gradients are the same either way, up to
+    /// the order of floating-point sums.
+    pub share_prefixes: bool,
 }
 
 impl Default for TrainConfig {
@@ -69,6 +93,7 @@ impl Default for TrainConfig {
         TrainConfig {
             clip: crate::rl::ppo::AZR_PPO_CLIP,
             micro_batch_tokens: DEFAULT_TOKEN_BUDGET,
+            share_prefixes: true,
         }
     }
 }
@@ -77,8 +102,10 @@ impl Default for TrainConfig {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TrainStats {
     pub loss: f64,
+    /// Tokens in the loss, those of skipped rows included.
     pub tokens: usize,
-    /// Fraction of tokens whose ratio left [1-ε, 1+ε].
+    /// Fraction of tokens whose ratio left [1-ε, 1+ε] (of the tokens that
+    /// ran: a skipped row's ratios are never computed).
     pub clip_fraction: f64,
     pub mean_ratio: f64,
 }
@@ -87,7 +114,13 @@ pub struct TrainStats {
 pub struct TrainOutput {
     pub grads: BTreeMap<AdapterId, AdapterGrads>,
     pub stats: BTreeMap<AdapterId, TrainStats>,
+    /// Per row (in the order given): log π of each token in its loss, under
+    /// the policy trained; `None` for a row left out because it adds nothing.
+    pub logprobs: Vec<Option<Vec<f64>>>,
     pub micro_batches: usize,
+    /// Token slots that went through the forward and backward, padding left
+    /// out: the work that sharing prefixes and skipping save.
+    pub tokens_run: usize,
 }
 
 /// The scored positions of one row: `(token index t, target token)`.
@@ -98,7 +131,7 @@ fn scored(tokens: &[u32], keep: impl Fn(usize) -> bool) -> Vec<(usize, u32)> {
         .collect()
 }
 
-/// Split rows (already ordered) into micro-batches whose padded size fits `budget`.
+/// Split sequences (already ordered) into micro-batches whose padded size fits `budget`.
 fn micro_batches(lens: &[usize], budget: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let mut start = 0;
@@ -119,44 +152,189 @@ fn micro_batches(lens: &[usize], budget: usize) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-/// A row of a micro-batch: its adapter, tokens and scored `(position, target)` pairs.
-type ScoredRow<'a> = (Option<AdapterId>, &'a [u32], Vec<(usize, u32)>);
+/// One sequence the model runs: a prefix, then the rest of each of its rows,
+/// `[prefix | tail₁ | … | tail_G]`. Each tail sits at the positions it has
+/// in its own row and sees the prefix and its own earlier tokens only, so
+/// every row's hidden states are those of running it alone. A row by itself
+/// is a pack whose prefix is the whole row and whose one tail is empty.
+#[derive(Debug)]
+struct Pack<'a> {
+    adapter: Option<AdapterId>,
+    prefix: &'a [u32],
+    /// `(row index, the row's scored (position, target) pairs, its tokens after the prefix)`.
+    tails: Vec<(usize, Vec<(usize, u32)>, &'a [u32])>,
+}
 
-/// A micro-batch laid out for the model: rows left-padded to one width, and
-/// where each scored position's hidden state sits once rows are flattened.
+impl<'a> Pack<'a> {
+    fn alone(
+        adapter: Option<AdapterId>,
+        row: usize,
+        tokens: &'a [u32],
+        scored: Vec<(usize, u32)>,
+    ) -> Pack<'a> {
+        Pack {
+            adapter,
+            prefix: tokens,
+            tails: vec![(row, scored, &[])],
+        }
+    }
+
+    fn width(&self) -> usize {
+        self.prefix.len() + self.tails.iter().map(|t| t.2.len()).sum::<usize>()
+    }
+
+    /// Each slot's RoPE position and which part it is in (0: the prefix,
+    /// g + 1: tail g).
+    fn slots(&self) -> (Vec<u32>, Vec<usize>) {
+        let p = self.prefix.len();
+        let mut positions: Vec<u32> = (0..p as u32).collect();
+        let mut part = vec![0; p];
+        for (g, (_, _, tail)) in self.tails.iter().enumerate() {
+            positions.extend((p..p + tail.len()).map(|i| i as u32));
+            part.extend(std::iter::repeat_n(g + 1, tail.len()));
+        }
+        (positions, part)
+    }
+}
+
+/// The sequences of one train step, in adapter order. Without sharing, one
+/// per row. With it, rows that add nothing are left out, and the rows of an
+/// adapter with the same prompt share a pack whose prefix is their longest
+/// common prefix; a pack wider than `budget` is split into several, each
+/// with the prefix again.
+fn train_packs<'a>(
+    rows: &'a [TrainRow],
+    order: &[usize],
+    share: bool,
+    budget: usize,
+) -> Vec<Pack<'a>> {
+    let alone = |i: usize| Pack::alone(Some(rows[i].adapter), i, &rows[i].tokens, rows[i].scored());
+    if !share {
+        return order.iter().map(|&i| alone(i)).collect();
+    }
+    // Groups in order of their first row, so packs keep the adapter order.
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut group_of: BTreeMap<(AdapterId, &[u32]), usize> = BTreeMap::new();
+    for &i in order.iter().filter(|&&i| !rows[i].contributes_nothing()) {
+        let r = &rows[i];
+        if r.prompt_len == 0 || r.prompt_len > r.tokens.len() {
+            groups.push(vec![i]);
+            continue;
+        }
+        let key = (r.adapter, &r.tokens[..r.prompt_len]);
+        let g = *group_of.entry(key).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[g].push(i);
+    }
+    let mut packs = Vec::new();
+    for group in groups {
+        if group.len() == 1 {
+            packs.push(alone(group[0]));
+            continue;
+        }
+        let first = &rows[group[0]].tokens;
+        let shared = group
+            .iter()
+            .map(|&i| common_prefix(first, &rows[i].tokens))
+            .min()
+            .unwrap_or(0);
+        let mut pack = Pack {
+            adapter: Some(rows[group[0]].adapter),
+            prefix: &first[..shared],
+            tails: Vec::new(),
+        };
+        for i in group {
+            let tail = &rows[i].tokens[shared..];
+            if !pack.tails.is_empty() && pack.width() + tail.len() > budget {
+                let prefix = pack.prefix;
+                packs.push(std::mem::replace(
+                    &mut pack,
+                    Pack {
+                        adapter: Some(rows[i].adapter),
+                        prefix,
+                        tails: Vec::new(),
+                    },
+                ));
+            }
+            pack.tails.push((i, rows[i].scored(), tail));
+        }
+        packs.push(pack);
+    }
+    packs
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// A micro-batch laid out for the model: packs left-padded to one width, and
+/// where the hidden state that predicts each scored token sits once rows are
+/// flattened.
 struct Layout {
     tokens: Tensor,
     at: Positions,
-    /// `[n_scored]` into `[rows·width]`, in row order then position order.
+    /// `[n_scored]` into `[packs·width]`, in pack, tail, then position order.
     index: Tensor,
     targets: Vec<u32>,
+    /// The row of each scored token.
+    owners: Vec<usize>,
     adapters: Vec<Option<AdapterId>>,
+    /// Slots that are not padding.
+    tokens_run: usize,
 }
 
 impl Layout {
-    fn new(device: &Device, rows: &[ScoredRow]) -> Result<Layout> {
-        let width = rows.iter().map(|r| r.1.len()).max().unwrap_or(0);
-        let mut flat = Vec::with_capacity(rows.len() * width);
-        let mut pads = Vec::with_capacity(rows.len());
-        let mut index = Vec::new();
-        let mut targets = Vec::new();
-        for (r, (_, tokens, scored)) in rows.iter().enumerate() {
-            let pad = width - tokens.len();
-            pads.push(pad);
+    fn new(device: &Device, packs: &[Pack]) -> Result<Layout> {
+        let width = packs.iter().map(Pack::width).max().unwrap_or(0);
+        let mut flat = Vec::with_capacity(packs.len() * width);
+        let mut positions = Vec::with_capacity(packs.len());
+        let mut parts = Vec::with_capacity(packs.len());
+        let (mut index, mut targets, mut owners) = (Vec::new(), Vec::new(), Vec::new());
+        for (r, pack) in packs.iter().enumerate() {
+            let pad = width - pack.width();
+            let (at, part) = pack.slots();
             flat.extend(std::iter::repeat_n(0u32, pad));
-            flat.extend_from_slice(tokens);
-            for &(t, target) in scored {
-                // The hidden state at slot pad+t-1 predicts token t.
-                index.push((r * width + pad + t - 1) as u32);
-                targets.push(target);
+            flat.extend_from_slice(pack.prefix);
+            let p = pack.prefix.len();
+            let mut offset = pad + p;
+            for (row, scored, tail) in &pack.tails {
+                flat.extend_from_slice(tail);
+                for &(t, target) in scored {
+                    // Token t is predicted from position t-1: in the prefix,
+                    // or in this row's tail.
+                    let slot = if t - 1 < p {
+                        pad + t - 1
+                    } else {
+                        offset + t - 1 - p
+                    };
+                    index.push((r * width + slot) as u32);
+                    targets.push(target);
+                    owners.push(*row);
+                }
+                offset += tail.len();
             }
+            positions.push([vec![0; pad], at].concat());
+            parts.push((pad, part));
         }
+        // A query sees an earlier slot of the prefix or of its own part;
+        // padding sees and is seen by nothing.
+        let visible = |r: usize, q: usize, k: usize| {
+            let (pad, part) = &parts[r];
+            k <= q && k >= *pad && {
+                let (pq, pk) = (part[q - pad], part[k - pad]);
+                pk == 0 || pk == pq
+            }
+        };
         Ok(Layout {
-            tokens: Tensor::from_vec(flat, (rows.len(), width), device)?,
-            at: Positions::left_padded(&pads, 0, width, device)?,
+            tokens: Tensor::from_vec(flat, (packs.len(), width), device)?,
+            at: Positions::packed(&positions, width, visible, device)?,
             index: Tensor::new(index.as_slice(), device)?,
             targets,
-            adapters: rows.iter().map(|r| r.0).collect(),
+            owners,
+            adapters: packs.iter().map(|p| p.adapter).collect(),
+            tokens_run: packs.iter().map(Pack::width).sum(),
         })
     }
 
@@ -171,8 +349,8 @@ impl Layout {
 }
 
 /// One micro-batch through the model, saving nothing for a backward.
-fn scored_logprobs(model: &Llama, adapters: &AdapterSet, rows: &[ScoredRow]) -> Result<Tensor> {
-    let layout = Layout::new(model.device(), rows)?;
+fn scored_logprobs(model: &Llama, adapters: &AdapterSet, packs: &[Pack]) -> Result<Tensor> {
+    let layout = Layout::new(model.device(), packs)?;
     let hook = RowAdapters::new(adapters, &layout.adapters, model.device())?;
     let embeds = model.embed(&layout.tokens)?;
     let hidden = model.hidden_states(&embeds, &layout.at, None, &hook, None)?;
@@ -207,27 +385,26 @@ pub fn logprobs(
         }
     }
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
-    let lens: Vec<usize> = order.iter().map(|&i| rows[i].tokens.len()).collect();
+    let packs: Vec<Pack> = order
+        .iter()
+        .map(|&i| {
+            let r = &rows[i];
+            let scored = scored(&r.tokens, |t| t >= r.score_from);
+            Pack::alone(r.adapter, i, &r.tokens, scored)
+        })
+        .collect();
+    let lens: Vec<usize> = packs.iter().map(Pack::width).collect();
     let mut out = vec![Vec::new(); rows.len()];
     for range in micro_batches(&lens, micro_batch_tokens) {
-        let batch: Vec<_> = order[range.clone()]
-            .iter()
-            .map(|&i| {
-                let r = &rows[i];
-                (
-                    r.adapter,
-                    r.tokens.as_slice(),
-                    scored(&r.tokens, |t| t >= r.score_from),
-                )
-            })
-            .collect();
-        let values = scored_logprobs(model, adapters, &batch)?
+        let batch = &packs[range];
+        let values = scored_logprobs(model, adapters, batch)?
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?;
         let mut offset = 0;
-        for (&i, (_, _, s)) in order[range].iter().zip(&batch) {
-            out[i] = values[offset..offset + s.len()].to_vec();
-            offset += s.len();
+        for pack in batch {
+            let (row, scored, _) = &pack.tails[0];
+            out[*row] = values[offset..offset + scored.len()].to_vec();
+            offset += scored.len();
         }
     }
     Ok(out)
@@ -247,6 +424,18 @@ fn check_train_row(i: usize, r: &TrainRow, vocab: usize) -> Result<()> {
             r.advantages.len(),
             r.old_logprobs.len(),
             r.allowed.len()
+        ));
+    }
+    if r.prompt_len > n {
+        return bad(format!(
+            "prompt_len {} is longer than its {n} tokens",
+            r.prompt_len
+        ));
+    }
+    if let Some(t) = (0..r.prompt_len).find(|&t| r.loss_mask[t]) {
+        return bad(format!(
+            "token {t} is in the loss but inside the {}-token prompt",
+            r.prompt_len
         ));
     }
     if !(r.temperature.is_finite() && r.temperature > 0.0) {
@@ -276,6 +465,12 @@ fn check_train_row(i: usize, r: &TrainRow, vocab: usize) -> Result<()> {
 /// The PPO-clip token-mean loss of every adapter, and its gradients:
 /// `L_a = mean over a's masked tokens of -min(ρ·Â, clip(ρ, 1-ε, 1+ε)·Â)`,
 /// `ρ = exp(log π - log π_old)`. No KL term (AZR).
+///
+/// With [`TrainConfig::share_prefixes`], rows that share an adapter and a
+/// prompt run as one packed sequence, and a row whose every advantage is 0
+/// does not run at all: its tokens still count in the token mean, and an
+/// adapter whose rows all sit out still gets its (zero) gradients, so the
+/// optimizer steps exactly as if they had run.
 pub fn train_step(
     model: &Llama,
     adapters: &AdapterSet,
@@ -290,6 +485,12 @@ pub fn train_step(
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
         check_train_row(i, r, model.config.vocab_size)?;
+        if !adapters.adapters.contains_key(&r.adapter) {
+            return Err(Error::UnknownAdapter {
+                row: i,
+                adapter: r.adapter,
+            });
+        }
     }
     let mut tokens_per_adapter: BTreeMap<AdapterId, usize> = BTreeMap::new();
     for r in rows {
@@ -297,47 +498,61 @@ pub fn train_step(
             r.loss_mask.iter().filter(|&&m| m).count();
     }
     let order = by_adapter(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>());
-    let lens: Vec<usize> = order.iter().map(|&i| rows[i].tokens.len()).collect();
-    let mut out = TrainOutput::default();
+    let packs = train_packs(
+        rows,
+        &order,
+        config.share_prefixes,
+        config.micro_batch_tokens,
+    );
+    let lens: Vec<usize> = packs.iter().map(Pack::width).collect();
+    let mut out = TrainOutput {
+        logprobs: vec![None; rows.len()],
+        ..TrainOutput::default()
+    };
+    let mut ratios = RatioSums::default();
     for range in micro_batches(&lens, config.micro_batch_tokens) {
-        let rows_here: Vec<&TrainRow> = order[range].iter().map(|&i| &rows[i]).collect();
-        let batch: Vec<_> = rows_here
-            .iter()
-            .map(|r| {
-                (
-                    Some(r.adapter),
-                    r.tokens.as_slice(),
-                    scored(&r.tokens, |t| r.loss_mask[t]),
-                )
-            })
-            .collect();
-        let mut targets = PpoTargets::default();
-        for (r, (_, _, s)) in rows_here.iter().zip(&batch) {
-            let n = tokens_per_adapter[&r.adapter].max(1) as f32;
-            for &(t, _) in s {
-                targets.advantages.push(r.advantages[t]);
-                targets.old_logprobs.push(r.old_logprobs[t]);
-                targets.weights.push(1.0 / n);
-                targets.owners.push(r.adapter);
-                targets.allowed.push(r.allowed[t].clone());
-                targets.inv_temperature.push(1.0 / r.temperature as f64);
-            }
-        }
+        let batch = &packs[range];
+        let targets = PpoTargets::new(rows, batch, &tokens_per_adapter);
         if targets.owners.is_empty() {
             continue;
         }
+        let layout = Layout::new(model.device(), batch)?;
         let logps = with_real!(model.embed.dtype(), T => micro_batch_step::<T>(
             model,
             adapters,
-            &batch,
+            &layout,
             &targets,
             config.clip,
             &mut out.grads,
         ))?;
-        record_stats(&mut out.stats, &targets, &logps, config.clip);
+        ratios.add(&targets, &logps, config.clip, &mut out.stats);
+        for (&row, &lp) in layout.owners.iter().zip(&logps) {
+            out.logprobs[row].get_or_insert_with(Vec::new).push(lp);
+        }
         out.micro_batches += 1;
+        out.tokens_run += layout.tokens_run;
+    }
+    ratios.finish(&mut out.stats);
+    for r in rows {
+        let scored = r.loss_mask.iter().filter(|&&m| m).count();
+        if scored > 0 {
+            out.stats.entry(r.adapter).or_default().tokens += scored;
+            if !out.grads.contains_key(&r.adapter) {
+                let adapter = adapters.adapters[&r.adapter];
+                out.grads.insert(r.adapter, zero_grads(adapter)?);
+            }
+        }
     }
     Ok(out)
+}
+
+/// Gradients of zero for every factor of `adapter`.
+fn zero_grads(adapter: &crate::lora::Adapter) -> Result<AdapterGrads> {
+    adapter
+        .modules
+        .iter()
+        .map(|(&key, m)| Ok((key, (m.a.zeros_like()?, m.b.zeros_like()?))))
+        .collect()
 }
 
 /// The PPO inputs of a micro-batch's scored tokens, in [`Layout`] order.
@@ -353,33 +568,28 @@ struct PpoTargets {
     inv_temperature: Vec<f64>,
 }
 
-/// Forward and backward of one micro-batch ([`tape`]). Adds the factor
-/// gradients to `grads`; returns the scored tokens' log-probabilities.
-fn micro_batch_step<T: Real>(
-    model: &Llama,
-    adapters: &AdapterSet,
-    batch: &[ScoredRow],
-    targets: &PpoTargets,
-    clip: f64,
-    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-) -> Result<Vec<f64>> {
-    let layout = Layout::new(model.device(), batch)?;
-    let lora = RowAdapters::new(adapters, &layout.adapters, model.device())?;
-    let embeds = model.embed(&layout.tokens)?;
-    let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
-    let (logps, top_grad) = tape::head::<T>(
-        model,
-        &top,
-        &layout.index,
-        &layout.targets,
-        &targets.policies(),
-        |i, lp| targets.weights[i] as f64 * targets.token(i, lp, clip).1,
-    )?;
-    tape::backward::<T>(model, &lora, tape, top_grad, grads)?;
-    Ok(logps)
-}
-
 impl PpoTargets {
+    fn new(
+        rows: &[TrainRow],
+        packs: &[Pack],
+        tokens_per_adapter: &BTreeMap<AdapterId, usize>,
+    ) -> PpoTargets {
+        let mut targets = PpoTargets::default();
+        for (i, scored, _) in packs.iter().flat_map(|p| &p.tails) {
+            let r = &rows[*i];
+            let n = tokens_per_adapter[&r.adapter].max(1) as f32;
+            for &(t, _) in scored {
+                targets.advantages.push(r.advantages[t]);
+                targets.old_logprobs.push(r.old_logprobs[t]);
+                targets.weights.push(1.0 / n);
+                targets.owners.push(r.adapter);
+                targets.allowed.push(r.allowed[t].clone());
+                targets.inv_temperature.push(1.0 / r.temperature as f64);
+            }
+        }
+        targets
+    }
+
     /// Each scored token's sampling distribution.
     fn policies(&self) -> Vec<Policy<'_>> {
         self.allowed
@@ -400,21 +610,63 @@ impl PpoTargets {
     }
 }
 
-fn record_stats(
-    stats: &mut BTreeMap<AdapterId, TrainStats>,
+/// Forward and backward of one micro-batch ([`tape`]). Adds the factor
+/// gradients to `grads`; returns the scored tokens' log-probabilities.
+fn micro_batch_step<T: Real>(
+    model: &Llama,
+    adapters: &AdapterSet,
+    layout: &Layout,
     targets: &PpoTargets,
-    logps: &[f64],
     clip: f64,
-) {
-    for (i, (&id, &logp)) in targets.owners.iter().zip(logps).enumerate() {
-        let s = stats.entry(id).or_default();
-        let n = s.tokens as f64;
-        let ratio = (logp - targets.old_logprobs[i] as f64).exp();
-        s.loss += targets.token(i, logp, clip).0 * targets.weights[i] as f64;
-        let clipped = (ratio - 1.0).abs() > clip;
-        s.clip_fraction = (s.clip_fraction * n + clipped as u8 as f64) / (n + 1.0);
-        s.mean_ratio = (s.mean_ratio * n + ratio) / (n + 1.0);
-        s.tokens += 1;
+    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+) -> Result<Vec<f64>> {
+    let lora = RowAdapters::new(adapters, &layout.adapters, model.device())?;
+    let embeds = model.embed(&layout.tokens)?;
+    let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
+    let (logps, top_grad) = tape::head::<T>(
+        model,
+        &top,
+        &layout.index,
+        &layout.targets,
+        &targets.policies(),
+        |i, lp| targets.weights[i] as f64 * targets.token(i, lp, clip).1,
+    )?;
+    tape::backward::<T>(model, &lora, tape, top_grad, grads)?;
+    Ok(logps)
+}
+
+/// Per adapter: the loss, and the sums behind the ratio statistics of the
+/// tokens that ran.
+#[derive(Debug, Default)]
+struct RatioSums {
+    sums: BTreeMap<AdapterId, (f64, f64, usize)>,
+}
+
+impl RatioSums {
+    fn add(
+        &mut self,
+        targets: &PpoTargets,
+        logps: &[f64],
+        clip: f64,
+        stats: &mut BTreeMap<AdapterId, TrainStats>,
+    ) {
+        for (i, (&id, &logp)) in targets.owners.iter().zip(logps).enumerate() {
+            let ratio = (logp - targets.old_logprobs[i] as f64).exp();
+            stats.entry(id).or_default().loss +=
+                targets.token(i, logp, clip).0 * targets.weights[i] as f64;
+            let (clipped, ratios, n) = self.sums.entry(id).or_default();
+            *clipped += ((ratio - 1.0).abs() > clip) as u8 as f64;
+            *ratios += ratio;
+            *n += 1;
+        }
+    }
+
+    fn finish(self, stats: &mut BTreeMap<AdapterId, TrainStats>) {
+        for (id, (clipped, ratios, n)) in self.sums {
+            let s = stats.entry(id).or_default();
+            s.clip_fraction = clipped / n as f64;
+            s.mean_ratio = ratios / n as f64;
+        }
     }
 }
 

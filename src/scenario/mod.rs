@@ -303,6 +303,12 @@ pub struct SelfPlaySection {
     /// reply for the model (`<answer>` and the block opener for solvers,
     /// "```python\ndef f(" for proposers). Not AZR. Default: false.
     pub prefill_answer: bool,
+    /// Compute each prompt once for all the rollouts that share it (one
+    /// prefill in generation, one packed sequence in the train step), and
+    /// leave rollouts whose advantage is 0 out of the train step's forward
+    /// and backward. Results are the same up to the order of floating-point
+    /// sums; off only for side-by-side measurement. Default: true.
+    pub share_prefixes: bool,
     /// Inputs an induction proposer writes, >= 2. Default: 10.
     pub induction_inputs: usize,
     /// Of those, input/output pairs shown to the solver, 1..induction_inputs; the rest
@@ -323,6 +329,7 @@ impl Default for SelfPlaySection {
             top_p: 1.0,
             constrained: true,
             prefill_answer: false,
+            share_prefixes: true,
             induction_inputs: 10,
             induction_shown: 5,
         }

@@ -120,6 +120,7 @@ pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatc
             TrainRow {
                 adapter: e.member,
                 tokens: [e.prompt.as_slice(), e.response.as_slice()].concat(),
+                prompt_len: p,
                 loss_mask: std::iter::repeat_n(false, p)
                     .chain(e.picks.iter().map(|pick| *pick != Pick::Forced))
                     .collect(),

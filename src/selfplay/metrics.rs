@@ -136,18 +136,17 @@ pub fn step_cost(
     solves: &[SolveResult],
     batch: &TrainBatch,
 ) -> Cost {
-    let proposed = proposals
-        .iter()
-        .map(|p| Cost::generation(config, p.job.tokens.len(), p.generation.tokens.len()));
+    let proposed = proposals.iter().map(|p| {
+        let (author, prompt) = (Some(p.job.author), p.job.tokens.as_slice());
+        (author, prompt, p.generation.tokens.len())
+    });
     let solved = solves.iter().map(|s| {
-        let prompt = problems[s.job.problem].tokens.len();
-        Cost::generation(config, prompt, s.generation.tokens.len())
+        let prompt = problems[s.job.problem].tokens.as_slice();
+        (Some(s.job.solver), prompt, s.generation.tokens.len())
     });
-    let trained = batch.rows.iter().map(|r| {
-        let scored = r.loss_mask.iter().filter(|&&m| m).count();
-        Cost::training(config, r.tokens.len(), scored)
-    });
-    proposed.chain(solved).chain(trained).sum()
+    let mut cost = Cost::generations(config, proposed.chain(solved));
+    cost.add(Cost::train_rows(config, &batch.rows));
+    cost
 }
 
 /// Proposed problems solved in some of their rollouts but not in all.

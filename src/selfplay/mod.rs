@@ -103,6 +103,7 @@ impl Settings {
             train: TrainConfig {
                 clip: s.training.clip,
                 micro_batch_tokens: s.training.micro_batch_tokens,
+                share_prefixes: p.share_prefixes,
             },
             grad_clip: s.training.grad_clip,
         }

@@ -18,7 +18,9 @@ use super::{
     SolveJob, SolveResult, StepContext,
 };
 use crate::base::{Llama, ModelConfig};
-use crate::compute::{generate, train_step, AdapterSet, GenRequest, Generation, TrainRow};
+use crate::compute::{
+    generate_with, train_step, AdapterSet, DecodeOptions, GenRequest, Generation, TrainRow,
+};
 use crate::lora::{AdamW, Adapter};
 use crate::task::TaskBuffers;
 use crate::verify::VerifierPool;
@@ -171,6 +173,7 @@ pub fn run_step(
         model,
         pool,
         learners,
+        share_prefixes: ctx.settings.train.share_prefixes,
     };
     finish_now(play_step(ctx, &mut local, roster, buffers, &model.config))
 }
@@ -180,6 +183,8 @@ pub struct Local<'a> {
     pub model: &'a Llama,
     pub pool: &'a VerifierPool,
     pub learners: &'a mut BTreeMap<MemberId, Learner>,
+    /// Share each prompt's prefill among its rows ([`DecodeOptions`]).
+    pub share_prefixes: bool,
 }
 
 impl Local<'_> {
@@ -195,7 +200,11 @@ impl StepBackend for Local<'_> {
     type Error = Error;
 
     async fn generate(&mut self, requests: Vec<GenRequest>) -> Result<Vec<Generation>> {
-        Ok(generate(self.model, &self.adapters(), requests)?)
+        let options = DecodeOptions {
+            share_prefixes: self.share_prefixes,
+            ..DecodeOptions::default()
+        };
+        Ok(generate_with(self.model, &self.adapters(), requests, options)?.0)
     }
 
     async fn judge_proposals(

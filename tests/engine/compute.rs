@@ -21,7 +21,7 @@ fn tiny_model() -> Llama {
 }
 
 /// An adapter with random (non-zero) A and B, in `dtype`.
-fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
+pub fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
     let config = LoraConfig {
         rank: 2,
         alpha: 4.0,
@@ -31,12 +31,24 @@ fn random_adapter(model: &Llama, seed: u64, dtype: DType) -> Adapter {
 }
 
 fn random_adapter_with(config: LoraConfig, model: &Llama, seed: u64, dtype: DType) -> Adapter {
+    random_adapter_sized(config, model, seed, dtype, (0.3, 0.3))
+}
+
+/// An adapter whose A and B entries are uniform in ±`bounds.0` and
+/// ±`bounds.1`.
+pub fn random_adapter_sized(
+    config: LoraConfig,
+    model: &Llama,
+    seed: u64,
+    dtype: DType,
+    bounds: (f32, f32),
+) -> Adapter {
     let mut rng = keyed_stream!(seed, "adapter");
     let mut adapter = Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap();
     for m in adapter.modules.values_mut() {
-        let random = |t: &Tensor, rng: &mut rand_chacha::ChaCha12Rng| {
+        let random = |t: &Tensor, bound: f32, rng: &mut rand_chacha::ChaCha12Rng| {
             let v: Vec<f32> = (0..t.elem_count())
-                .map(|_| rng.random_range(-0.3f32..0.3))
+                .map(|_| rng.random_range(-bound..bound))
                 .collect();
             Tensor::from_vec(v, t.dims(), &Device::Cpu)
                 .unwrap()
@@ -44,8 +56,8 @@ fn random_adapter_with(config: LoraConfig, model: &Llama, seed: u64, dtype: DTyp
                 .unwrap()
         };
         let (a, b) = (
-            random(m.a.as_tensor(), &mut rng),
-            random(m.b.as_tensor(), &mut rng),
+            random(m.a.as_tensor(), bounds.0, &mut rng),
+            random(m.b.as_tensor(), bounds.1, &mut rng),
         );
         *m = LoraModule {
             a: Var::from_tensor(&a).unwrap(),
@@ -218,6 +230,54 @@ fn generation_of_a_row_does_not_depend_on_its_batch() {
     }
 }
 
+/// Rows with the same adapter and prompt run one prefill and start from its
+/// cache; each still samples from its own stream, and every row gets the
+/// tokens and log-probs it gets when every prefill runs (short prompts,
+/// where each pass's rows pick the small-matrix kernels, and long ones).
+#[test]
+fn rows_sharing_a_prompt_sample_what_they_sample_alone() {
+    let model = tiny_model();
+    let (a, b) = (
+        random_adapter(&model, 60, DType::F32),
+        random_adapter(&model, 61, DType::F32),
+    );
+    let set = AdapterSet::new().with(1, &a).with(2, &b);
+    for prompt_len in [3, 40] {
+        let prompt: Vec<u32> = (0..prompt_len).map(|i| (7 * i + 3) % 250).collect();
+        let other: Vec<u32> = prompt.iter().map(|t| (t + 1) % 250).collect();
+        let requests: Vec<GenRequest> = [
+            (Some(1), &prompt, 0),
+            (Some(2), &prompt, 1),
+            (Some(1), &prompt, 2),
+            (None, &prompt, 3),
+            (Some(1), &other, 4),
+            (Some(1), &prompt, 5),
+            (Some(2), &prompt, 6),
+        ]
+        .into_iter()
+        .map(|(adapter, p, seed)| request(adapter, p.clone(), Sampling::default(), seed))
+        .collect();
+        let run = |share_prefixes| {
+            let options = compute::DecodeOptions {
+                share_prefixes,
+                top: 0,
+            };
+            compute::generate_with(&model, &set, requests.clone(), options)
+                .unwrap()
+                .0
+        };
+        let (alone, shared) = (run(false), run(true));
+        for (i, (x, y)) in alone.iter().zip(&shared).enumerate() {
+            assert_eq!(x.tokens, y.tokens, "prompt {prompt_len}, row {i}");
+            assert_eq!(x.logprobs, y.logprobs, "prompt {prompt_len}, row {i}");
+        }
+        assert_ne!(
+            shared[0].tokens, shared[2].tokens,
+            "each row has its own stream"
+        );
+    }
+}
+
 #[test]
 fn same_seed_same_sample_different_seed_different_sample() {
     let model = tiny_model();
@@ -308,8 +368,10 @@ fn masked_logprobs(model: &Llama, set: &AdapterSet, row: &TrainRow) -> Vec<Optio
 /// in rank and targets; the first micro-batch holds both (two segments), the
 /// second only one (accumulation across micro-batches). One row of each
 /// adapter is trained under grammar masks (the masked, renormalised policy).
-#[test]
-fn train_step_gradients_match_finite_differences_for_every_factor() {
+/// The rows of each adapter share a two-token prompt, and one row's
+/// advantages are all 0: with `share`, each prompt is encoded once for its
+/// rows (packed) and that row is skipped.
+fn check_train_step_against_finite_differences(share: bool, micro_batch_tokens: usize) {
     let spec = TinySpec {
         hidden: 16,
         heads: 4,
@@ -334,14 +396,32 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
         .with(0, &adapters[0])
         .with(1, &adapters[1]);
     let mut rng = keyed_stream!(1, "rows");
-    let rows: Vec<TrainRow> = [(0u64, 7usize), (1, 5), (0, 4), (1, 6)]
+    let prompts: [Vec<u32>; 2] = [0, 1].map(|_| (0..2).map(|_| rng.random_range(0..256)).collect());
+    // (adapter, length, prompt_len, advantages all 0)
+    let shapes = [
+        (0u64, 7usize, 2usize, false),
+        (1, 5, 2, false),
+        (0, 4, 2, false),
+        (1, 6, 2, false),
+        (0, 5, 2, true),
+        (1, 6, 0, false),
+    ];
+    let rows: Vec<TrainRow> = shapes
         .into_iter()
-        .map(|(adapter, len)| {
-            let tokens: Vec<u32> = (0..len).map(|_| rng.random_range(0..256)).collect();
+        .map(|(adapter, len, prompt_len, zero)| {
+            let tokens: Vec<u32> = prompts[adapter as usize]
+                .iter()
+                .copied()
+                .chain((2..len).map(|_| rng.random_range(0..256)))
+                .collect();
             let loss_mask = (0..len).map(|t| t >= 2).collect();
-            let advantages = (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let advantages = (0..len)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .map(|a| if zero { 0.0 } else { a })
+                .collect();
             TrainRow {
                 adapter,
+                prompt_len,
                 tokens,
                 loss_mask,
                 advantages,
@@ -393,10 +473,10 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
             r
         })
         .collect();
-    // Rows by adapter: lengths [7, 4 | 5, 6] → micro-batches [7, 4, 5] and [6].
     let config = TrainConfig {
         clip: 0.2,
-        micro_batch_tokens: 21,
+        micro_batch_tokens,
+        share_prefixes: share,
     };
     let out = compute::train_step(&model, &set, &rows, config).unwrap();
     // The train step's own forward agrees with scoring: every ratio is
@@ -458,6 +538,195 @@ fn train_step_gradients_match_finite_differences_for_every_factor() {
     }
 }
 
+#[test]
+fn train_step_gradients_match_finite_differences_for_every_factor() {
+    // Rows by adapter: lengths [7, 4, 5 | 5, 6, 6] → micro-batches
+    // [7, 4, 5 | 5] (two segments) and [6, 6].
+    check_train_step_against_finite_differences(false, 28);
+}
+
+#[test]
+fn packed_train_step_gradients_match_finite_differences_for_every_factor() {
+    // Packs: adapter 0's prompt with its two live rows (9 tokens), adapter
+    // 1's with its two (9), adapter 1's ungrouped row (6) → micro-batches
+    // [9 | 9] (two segments) and [6].
+    check_train_step_against_finite_differences(true, 18);
+}
+
+/// Random rollouts in groups that share prompts, as a self-play step makes
+/// them: for each adapter, prompts of 4–9 tokens with 1–5 answers of 2–8
+/// tokens each (a few answers begin alike, one is a prefix of another,
+/// some tokens forced), a quarter of the rows with every advantage 0, and
+/// adapter 2's rows all so.
+pub fn grouped_rollouts(vocab: u32, seed: u64) -> Vec<TrainRow> {
+    let mut rng = keyed_stream!(seed, "grouped-rollouts");
+    let mut rows = Vec::new();
+    for adapter in 0..3u64 {
+        for _ in 0..3 {
+            let prompt: Vec<u32> = (0..rng.random_range(4..10))
+                .map(|_| rng.random_range(0..vocab))
+                .collect();
+            let opening = rng.random_range(0..vocab);
+            let answers = rng.random_range(1..6);
+            for g in 0..answers {
+                let len = rng.random_range(2..9);
+                let mut answer: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+                if g % 2 == 1 {
+                    answer[0] = opening;
+                }
+                let tokens = [prompt.as_slice(), &answer].concat();
+                let n = tokens.len();
+                let p = prompt.len();
+                let zero = adapter == 2 || rng.random_range(0..4) == 0;
+                let advantage = rng.random_range(-1.0f32..1.0);
+                rows.push(TrainRow {
+                    adapter,
+                    prompt_len: p,
+                    loss_mask: (0..n)
+                        .map(|t| t >= p && rng.random_range(0..5) > 0)
+                        .collect(),
+                    advantages: (0..n)
+                        .map(|t| if t >= p && !zero { advantage } else { 0.0 })
+                        .collect(),
+                    old_logprobs: (0..n).map(|_| rng.random_range(-4.0f32..-1.0)).collect(),
+                    allowed: vec![None; n],
+                    temperature: if adapter == 1 { 0.8 } else { 1.0 },
+                    tokens,
+                });
+            }
+        }
+    }
+    // One answer that is the start of its neighbour's (same prompt).
+    let (a, b) = (rows[1].clone(), &mut rows[2]);
+    if a.prompt_len == b.prompt_len && a.tokens[..a.prompt_len] == b.tokens[..b.prompt_len] {
+        b.tokens = a.tokens[..a.tokens.len() - 1].to_vec();
+        let n = b.tokens.len();
+        b.loss_mask.truncate(n);
+        b.advantages.truncate(n);
+        b.old_logprobs.truncate(n);
+        b.allowed.truncate(n);
+    }
+    rows
+}
+
+/// The same rows trained plain (one sequence each), packed by prompt with
+/// zero-advantage rows skipped, and packed with packs split by a small
+/// token budget give the same loss, factor gradients (in the Frobenius
+/// norm) and log-probs, within `tolerance` relative. Returns the token
+/// slots each layout ran.
+pub fn assert_layouts_agree(
+    model: &Llama,
+    set: &AdapterSet,
+    rows: &[TrainRow],
+    split_budget: usize,
+    tolerance: f64,
+) -> [usize; 3] {
+    let step = |share_prefixes, micro_batch_tokens| {
+        let config = TrainConfig {
+            clip: 0.2,
+            micro_batch_tokens,
+            share_prefixes,
+        };
+        compute::train_step(model, set, rows, config).unwrap()
+    };
+    let plain = step(false, 4096);
+    let outputs = [step(true, 4096), step(true, split_budget)];
+    let close = |a: f64, b: f64, scale: f64| (a - b).abs() <= tolerance * scale.max(1e-30);
+    for out in &outputs {
+        assert!(plain.stats.keys().eq(out.stats.keys()));
+        for (id, s) in &plain.stats {
+            let o = &out.stats[id];
+            assert_eq!(s.tokens, o.tokens, "adapter {id}");
+            assert!(
+                close(s.loss, o.loss, s.loss.abs()),
+                "adapter {id}: {s:?} vs {o:?}"
+            );
+        }
+        assert!(plain.grads.keys().eq(out.grads.keys()));
+        for (id, grads) in &plain.grads {
+            for (key, (ga, gb)) in grads {
+                let (oa, ob) = &out.grads[id][key];
+                for (g, o) in [(ga, oa), (gb, ob)] {
+                    let g = g.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+                    let o = o.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+                    let (g, o) = (g.to_vec1::<f64>().unwrap(), o.to_vec1::<f64>().unwrap());
+                    // Relative error in the Frobenius norm.
+                    let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
+                    let diff = g
+                        .iter()
+                        .zip(&o)
+                        .map(|(x, y)| (x - y) * (x - y))
+                        .sum::<f64>();
+                    assert!(
+                        close(0.0, diff.sqrt(), norm),
+                        "adapter {id} {key:?}: |Δ| {} of |g| {norm}",
+                        diff.sqrt()
+                    );
+                }
+            }
+        }
+        for (i, (p, o)) in plain.logprobs.iter().zip(&out.logprobs).enumerate() {
+            if rows[i].contributes_nothing() {
+                assert!(o.is_none(), "row {i} adds nothing, yet it ran");
+                continue;
+            }
+            let (p, o) = (p.as_ref().unwrap(), o.as_ref().unwrap());
+            assert_eq!(p.len(), o.len());
+            for (x, y) in p.iter().zip(o) {
+                assert!(close(*x, *y, x.abs()), "row {i}: {x} vs {y}");
+            }
+        }
+    }
+    [
+        plain.tokens_run,
+        outputs[0].tokens_run,
+        outputs[1].tokens_run,
+    ]
+}
+
+#[test]
+fn packed_and_skipped_rows_give_the_plain_loss_gradients_and_logprobs() {
+    let model = tiny_model().to_dtype(DType::F64).unwrap();
+    let partial = LoraConfig {
+        rank: 3,
+        alpha: 4.0,
+        targets: vec![Target::Q, Target::K, Target::Up],
+        ..LoraConfig::default()
+    };
+    let adapters = [
+        random_adapter(&model, 50, DType::F64),
+        random_adapter_with(partial, &model, 51, DType::F64),
+        random_adapter(&model, 52, DType::F64),
+    ];
+    let set = AdapterSet::new()
+        .with(0, &adapters[0])
+        .with(1, &adapters[1])
+        .with(2, &adapters[2]);
+    let rows = grouped_rollouts(model.config.vocab_size as u32, 3);
+    assert!(rows.iter().any(|r| r.contributes_nothing()));
+    let [plain, packed, split] = assert_layouts_agree(&model, &set, &rows, 24, 1e-9);
+    assert!(
+        packed < plain && packed <= split,
+        "{plain} {packed} {split}"
+    );
+    // Adapter 2's rows all sit out, yet it gets its (zero) gradients, so
+    // its optimizer steps as it would have.
+    let config = TrainConfig::default();
+    let out = compute::train_step(&model, &set, &rows, config).unwrap();
+    for (a, b) in out.grads[&2].values() {
+        for g in [a, b] {
+            let max = g
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert_eq!(max, 0.0);
+        }
+    }
+}
+
 /// The LM head forms its logits in chunks of 512 scored positions, in one
 /// buffer reused from chunk to chunk: a step whose one micro-batch scores more
 /// than 1,024 positions (three chunks, the last one short) must give the same
@@ -479,6 +748,7 @@ fn train_step_does_not_depend_on_head_chunks_or_micro_batches() {
             let len = 190 + 7 * i as usize;
             TrainRow {
                 adapter: i % 2,
+                prompt_len: 0,
                 tokens: (0..len).map(|_| rng.random_range(0..256)).collect(),
                 loss_mask: (0..len).map(|t| t >= 3).collect(),
                 advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
@@ -492,6 +762,7 @@ fn train_step_does_not_depend_on_head_chunks_or_micro_batches() {
         let config = TrainConfig {
             clip: 0.2,
             micro_batch_tokens,
+            share_prefixes: false,
         };
         compute::train_step(&model, &set, &rows, config).unwrap()
     };
@@ -562,6 +833,7 @@ fn bad_rows_are_errors_not_panics() {
     .is_err());
     let row = TrainRow {
         adapter: 0,
+        prompt_len: 0,
         tokens: vec![1, 2],
         loss_mask: vec![true, true],
         advantages: vec![0.0; 2],
@@ -574,6 +846,7 @@ fn bad_rows_are_errors_not_panics() {
     let vocab = model.config.vocab_size;
     let row = TrainRow {
         adapter: 0,
+        prompt_len: 0,
         tokens: vec![1, 2],
         loss_mask: vec![false, true],
         advantages: vec![0.0; 2],
@@ -641,6 +914,7 @@ fn constrained_rows_follow_their_grammar_and_record_the_masked_policy() {
         let prompt = tokenizer.encode("Q: 2+2?").unwrap();
         let row = TrainRow {
             adapter: 0,
+            prompt_len: 0,
             tokens: [prompt.as_slice(), &g.tokens].concat(),
             loss_mask: vec![false; prompt.len() + g.tokens.len()],
             advantages: vec![0.0; prompt.len() + g.tokens.len()],

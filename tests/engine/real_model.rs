@@ -299,6 +299,67 @@ fn one_selfplay_step_on_smollm2() {
     }
 }
 
+/// On the real model in f32: rows packed by prompt, with zero-advantage
+/// rows skipped, train as the plain rows do (loss, every factor gradient,
+/// log-probs within 1e-4 relative), and rows sharing a chat prompt sample what they
+/// sample with a prefill each (same tokens, same log-probs, bit for bit).
+#[test]
+fn smollm2_shares_prompts_without_changing_results() {
+    use crate::compute::{assert_layouts_agree, grouped_rollouts, random_adapter_sized};
+    use candle_core::DType;
+
+    let base = BaseModel::load(&model_path()).unwrap();
+    let model = &base.model;
+    // The size of a young trained adapter: the model stays itself, so f32's
+    // rounding stays small (with ±0.3 factors on every projection the
+    // gradients of the plain layout alone differ by 2e-3 between two
+    // micro-batch budgets).
+    let adapters: Vec<_> = (0..3)
+        .map(|i| random_adapter_sized(Default::default(), model, 70 + i, DType::F32, (0.05, 0.005)))
+        .collect();
+    let set = (0..3).fold(AdapterSet::new(), |set, i| {
+        set.with(i, &adapters[i as usize])
+    });
+    let rows = grouped_rollouts(model.config.vocab_size as u32, 9);
+    assert_layouts_agree(model, &set, &rows, 48, 1e-4);
+
+    let chat = base
+        .tokenizer
+        .chat
+        .render(&[Message::new(
+            "user",
+            "What does f(3) return for def f(a): return [a * i for i in range(a)]?",
+        )])
+        .unwrap();
+    let prompt = base.tokenizer.encode(&chat).unwrap();
+    assert!(prompt.len() > 40, "{} tokens", prompt.len());
+    let requests: Vec<GenRequest> = (0..6u64)
+        .map(|i| GenRequest {
+            adapter: (i < 4).then_some(i % 2),
+            prompt: prompt.clone(),
+            max_new_tokens: 12,
+            stop: vec![],
+            sampling: Sampling::default(),
+            rng: keyed_stream!(i, "shared-prompt"),
+            grammar: None,
+        })
+        .collect();
+    let run = |share_prefixes| {
+        let options = compute::DecodeOptions {
+            share_prefixes,
+            top: 0,
+        };
+        compute::generate_with(model, &set, requests.clone(), options)
+            .unwrap()
+            .0
+    };
+    let (alone, shared) = (run(false), run(true));
+    for (i, (x, y)) in alone.iter().zip(&shared).enumerate() {
+        assert_eq!(x.tokens, y.tokens, "row {i}");
+        assert_eq!(x.logprobs, y.logprobs, "row {i}");
+    }
+}
+
 /// The cached GGUF is the model `fetch::DEFAULT_MODEL_IDENTITY` describes:
 /// its shape fingerprint, and the name its metadata gives it is an alias, so
 /// adapters naming the Hugging Face repo id match it.

@@ -181,6 +181,8 @@ fn sample_line() -> MetricsLine {
         prompt_tokens: n,
         generated_tokens: n / 2,
         trained_tokens: n * 2,
+        computed_prompt_tokens: n / 4,
+        computed_trained_tokens: n,
         flops: n as f64 * 1.5e6,
     };
     MetricsLine {

@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use populora::base::Llama;
 use populora::compute::{
-    generate, train_step, AdapterSet, GenRequest, Generation, TrainConfig, TrainOutput, TrainRow,
+    generate_with, train_step, AdapterSet, DecodeOptions, GenRequest, Generation, TrainConfig,
+    TrainOutput, TrainRow,
 };
 use populora::lora::Adapter;
 use populora::selfplay::MemberId;
@@ -111,8 +112,13 @@ impl Actor for Broker {
             BrokerMsg::Generate { requests, reply } => {
                 state.usage.count(requests.len());
                 let model = state.decode_model.clone();
+                let options = DecodeOptions {
+                    share_prefixes: state.train.share_prefixes,
+                    ..DecodeOptions::default()
+                };
                 let (result, ms) = on_adapters(state, move |adapters| {
-                    generate(&model, adapters, requests)
+                    generate_with(&model, adapters, requests, options)
+                        .map(|(generations, _)| generations)
                         .map_err(|e| anyhow::anyhow!("generate: {e}"))
                 })
                 .await;

@@ -351,6 +351,7 @@ impl From<WireGeneration> for Generation {
 pub struct WireTrainRow {
     adapter: MemberId,
     tokens: Vec<u32>,
+    prompt_len: usize,
     loss_mask: Vec<bool>,
     advantages: Vec<f32>,
     old_logprobs: Vec<f32>,
@@ -363,6 +364,7 @@ impl From<TrainRow> for WireTrainRow {
         WireTrainRow {
             adapter: r.adapter,
             tokens: r.tokens,
+            prompt_len: r.prompt_len,
             loss_mask: r.loss_mask,
             advantages: r.advantages,
             old_logprobs: r.old_logprobs,
@@ -381,6 +383,7 @@ impl From<WireTrainRow> for TrainRow {
         TrainRow {
             adapter: r.adapter,
             tokens: r.tokens,
+            prompt_len: r.prompt_len,
             loss_mask: r.loss_mask,
             advantages: r.advantages,
             old_logprobs: r.old_logprobs,
@@ -404,6 +407,7 @@ mod tests {
         let rows = vec![WireTrainRow::from(TrainRow {
             adapter: 3,
             tokens: vec![1, 2, 3],
+            prompt_len: 1,
             loss_mask: vec![false, true, true],
             advantages: vec![0.0, 0.5, -0.25],
             old_logprobs: vec![0.0, -1.5, -0.1],

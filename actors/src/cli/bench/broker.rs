@@ -203,6 +203,7 @@ fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Resul
             tokens: (0..len)
                 .map(|_| rng.random_range(0..base.config().vocab_size as u32))
                 .collect(),
+            prompt_len: 0,
             loss_mask: (0..len).map(|t| t >= len - scored).collect(),
             advantages: (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect(),
             old_logprobs: vec![-10.0; len],
