@@ -4,7 +4,8 @@
 # One JSON file per command, the A/B pairs of the process-wide settings
 # alternated, and machine.txt (CPU, memory, the build, the load before each
 # command). Run it in a quiet window: the figures are only as good as the
-# machine is idle. Build first: cargo build --release.
+# machine is idle. Build first: cargo build --release --features peer (bench
+# generate's peers are only in a build with that feature).
 # POPULORA=path picks the binary; NICE="nice -n -10" (as root) gives the
 # benchmarks the CPU first on a shared machine; SKIP_FULL_SVD=1 leaves out
 # bench evolve's full-SVD path (about 10 minutes on 2 cores).

@@ -15,6 +15,7 @@ pub mod hf;
 pub(crate) mod kernels;
 mod model;
 pub(crate) mod ops;
+#[cfg(feature = "peer")]
 pub mod peer;
 pub mod row_lanes;
 pub mod target;

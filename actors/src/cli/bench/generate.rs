@@ -5,9 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
-use populora::base::peer::CandleLlama;
-use populora::base::{self, BaseModel, Message};
+use populora::base::{BaseModel, Message};
 use populora::compute::{self, AdapterSet, DecodeStats, GenRequest, Sampling};
 use populora::grammar::{Grammar, Vocabulary};
 use populora::keyed_stream;
@@ -16,6 +14,7 @@ use populora::task::{Role, TaskKind};
 use serde_json::json;
 
 use super::model::BenchModel;
+use super::peers::{self, Peers};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -58,9 +57,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "peer_llama_f32_same_tokens": f32_peer.map(|_| same_tokens),
         "peer_quantized_tok_s": quantized,
         "batch1_over_peer_quantized": quantized.map(|p| batch1 / p),
-        "peers": {
-            "llama_f32": "candle-transformers llama on the same f32 weights, warmed up as ours",
-            "quantized": "candle-transformers quantized_llama Q4_1, scalar fallback, warmed up as ours",
+        "peers": if peers::BUILT {
+            json!({
+                "llama_f32": "candle-transformers llama on the same f32 weights, warmed up as ours",
+                "quantized": "candle-transformers quantized_llama Q4_1, scalar fallback, warmed up as ours",
+            })
+        } else {
+            json!("not built: rebuild with `cargo build --release --features peer`")
         },
         "constrained_batch32": constrained,
         "new_tokens_per_row": args.tokens,
@@ -81,27 +84,15 @@ struct Batch1 {
 }
 
 /// Every side warmed up alike, then `repeats` interleaved runs, the best of
-/// each kept: one sample swings by ±15 % on a shared machine. The peers run
-/// on the CPU only: candle-transformers' llama on the very f32 tensors ours
-/// runs (a Llama), its quantized_llama on the GGUF's own Q4_1 weights, whose
-/// dot product candle has only as scalar code.
+/// each kept: one sample swings by ±15 % on a shared machine. The peers
+/// ([`Peers`]) run on the CPU only, and only in a build with them.
 fn batch1_sides(
     base: &BaseModel,
     prompt: &[u32],
     tokens: usize,
     repeats: usize,
 ) -> anyhow::Result<Batch1> {
-    let on_cpu = base.model.device().is_cpu();
-    let f32_peer = if on_cpu && base.config().arch == base::Arch::Llama {
-        Some(CandleLlama::new(&base.model)?)
-    } else {
-        None
-    };
-    let mut quantized_peer = if on_cpu && base.source == base::Source::Gguf {
-        Some(load_quantized_peer(base)?)
-    } else {
-        None
-    };
+    let mut peers = Peers::load(base)?;
     let prompts = [prompt.to_vec()];
     let mut sides = Batch1 {
         ours: Best::default(),
@@ -121,14 +112,11 @@ fn batch1_sides(
         let (tok_s, _, out) = decode(base, &prompts, tokens, None, Sampling::GREEDY)?;
         let out = out.into_iter().next().map(|g| g.tokens).unwrap_or_default();
         keep(&mut sides.ours, (tok_s, out));
-        if let Some(peer) = &f32_peer {
-            keep(&mut sides.f32_peer, greedy_f32(peer, prompt, tokens)?);
+        if let Some(out) = peers.greedy_f32(prompt, tokens) {
+            keep(&mut sides.f32_peer, out?);
         }
-        if let Some(peer) = &mut quantized_peer {
-            keep(
-                &mut sides.quantized,
-                greedy_quantized(peer, prompt, tokens)?,
-            );
+        if let Some(out) = peers.greedy_quantized(prompt, tokens) {
+            keep(&mut sides.quantized, out?);
         }
     }
     Ok(sides)
@@ -231,62 +219,4 @@ fn constrained_batch32(
         "sampled_tokens": stats.sampled_tokens,
         "forced_tokens": stats.forced_tokens,
     }))
-}
-
-/// Greedy batch-1 decode through a peer, timed as ours is (prefill, then one
-/// step per new token after the first): `forward(tokens, position)` returns
-/// the last position's logits, `[1, vocab]`. Tokens/s and the tokens.
-fn greedy(
-    mut forward: impl FnMut(&[u32], usize) -> candle_core::Result<Tensor>,
-    prompt: &[u32],
-    tokens: usize,
-) -> anyhow::Result<(f64, Vec<u32>)> {
-    let start = Instant::now();
-    let mut out = Vec::with_capacity(tokens);
-    let mut logits = forward(prompt, 0)?;
-    loop {
-        out.push(logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?);
-        if out.len() >= tokens {
-            break;
-        }
-        logits = forward(&out[out.len() - 1..], prompt.len() + out.len() - 1)?;
-    }
-    Ok((out.len() as f64 / start.elapsed().as_secs_f64(), out))
-}
-
-fn row(tokens: &[u32]) -> candle_core::Result<Tensor> {
-    Tensor::new(tokens, &Device::Cpu)?.unsqueeze(0)
-}
-
-/// candle-transformers' llama, from an empty KV cache.
-fn greedy_f32(
-    peer: &CandleLlama,
-    prompt: &[u32],
-    tokens: usize,
-) -> anyhow::Result<(f64, Vec<u32>)> {
-    let mut cache = peer.cache()?;
-    greedy(
-        |t, pos| peer.model.forward(&row(t)?, pos, &mut cache),
-        prompt,
-        tokens,
-    )
-}
-
-type QuantizedLlama = candle_transformers::models::quantized_llama::ModelWeights;
-
-/// candle-transformers' quantized_llama on the same GGUF, weights as stored.
-fn load_quantized_peer(base: &BaseModel) -> anyhow::Result<QuantizedLlama> {
-    use candle_core::quantized::gguf_file;
-    let mut file = std::fs::File::open(&base.path)?;
-    let content = gguf_file::Content::read(&mut file)?;
-    Ok(QuantizedLlama::from_gguf(content, &mut file, &Device::Cpu)?)
-}
-
-/// quantized_llama (a forward at position 0 starts its KV cache afresh).
-fn greedy_quantized(
-    peer: &mut QuantizedLlama,
-    prompt: &[u32],
-    tokens: usize,
-) -> anyhow::Result<(f64, Vec<u32>)> {
-    greedy(|t, pos| peer.forward(&row(t)?, pos), prompt, tokens)
 }

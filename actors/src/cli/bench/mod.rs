@@ -6,6 +6,7 @@ mod broker;
 mod evolve;
 mod generate;
 mod model;
+mod peers;
 mod verifier;
 
 use clap::Subcommand;
