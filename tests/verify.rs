@@ -300,6 +300,17 @@ fn invalid_proposals_get_typed_reasons() {
             "1",
             Status::BannedImport,
         ),
+        // Private modules, banned ones with a leading underscore among them.
+        (
+            "import _io\ndef f(a):\n    return _io.open('/etc/passwd').read()",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import _frozen_importlib as b\ndef f(a):\n    return b.BuiltinImporter.load_module('posix').getpid()",
+            "1",
+            Status::BannedImport,
+        ),
         (
             "from math import *\ndef f(a):\n    return floor(a)",
             "1",

@@ -416,7 +416,9 @@ def check_node(node):
 
 
 def check_module(name, node):
-    if name.split(".")[0] in BANNED_MODULES:
+    """A banned module, with or without leading underscores (`_io`), or a
+    private one (`_frozen_importlib`, `_string`): not importable."""
+    if name != "__future__" and forbidden_module(name):
         raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
 
 
