@@ -38,6 +38,7 @@ import resource
 import signal
 import struct
 import time
+from _string import formatter_field_name_split, formatter_parser
 
 # shutil and tempfile are imported only where needed (a fallback path, a temp
 # dir a program wrote into): every module loaded here is one more set of
@@ -57,7 +58,16 @@ PRELOAD = (
     "unicodedata",
 )
 
-# AZR's banned imports plus everything that reaches the OS or the interpreter.
+# AZR's banned imports plus everything that reaches the OS or the interpreter,
+# and the modules that run a string as code or import and look up names given
+# as strings, which the checks cannot see into: pydoc (locate), pkgutil
+# (resolve_name), timeit, profile, cProfile, pdb, bdb, trace and doctest (run
+# a string or a docstring), unittest (mock.patch("os.system"), loaders),
+# rlcompleter (evaluates dotted names), imp (the old import machinery),
+# optparse (Values.read_module imports a module named by a string and copies
+# its globals), xmlrpc (resolve_dotted_attribute; the network), test
+# (test.support's import helpers), dis (the code object of any function, which
+# `.replace()` turns into any code).
 BANNED_MODULES = frozenset((
     "logging", "random", "multiprocessing", "pebble", "subprocess", "threading",
     "datetime", "time", "hashlib", "hmac", "bcrypt", "calendar",
@@ -68,12 +78,60 @@ BANNED_MODULES = frozenset((
     "asyncio", "concurrent", "urllib", "http", "ftplib", "smtplib", "ssl",
     "webbrowser", "platform", "sysconfig", "site", "runpy", "zipimport",
     "secrets", "uuid", "atexit", "faulthandler", "tracemalloc", "weakref",
+    "pydoc", "pkgutil", "timeit", "profile", "cProfile", "pdb", "bdb", "trace",
+    "doctest", "unittest", "rlcompleter", "imp", "optparse", "xmlrpc", "test", "dis",
 ))
+# `__annotations__` as a name: a class body that assigns it writes annotation
+# strings that are no annotation in the AST, so the checks never parse them.
 BANNED_NAMES = frozenset((
     "__import__", "eval", "exec", "open", "globals", "locals", "vars", "compile",
     "getattr", "setattr", "delattr", "breakpoint", "help", "exit", "quit",
     "memoryview", "__builtins__", "__loader__", "__spec__", "__build_class__",
+    "__annotations__",
 ))
+# Callables that look up a name given as a string, or run a string as code,
+# in allowed modules: the checks read names from the AST, so the string
+# escapes them (`operator.attrgetter("sys.modules")(typing)` is
+# typing.sys.modules). Refused as an attribute (`operator.attrgetter`,
+# `op.attrgetter` after `import operator as op`) or an imported name (`from
+# operator import attrgetter`) wherever it appears, and as the name of a
+# function (see check_function). The other ways to fetch an attribute by name
+# (getattr, vars, dunder attributes such as __dict__) are refused already.
+# The value says why, in the reason. Not here: operator.itemgetter, whose keys
+# are subscripts (`obj[key]`, no dotted names), as the program could write
+# them; str.format and format_map, which return text (their fields are checked
+# where the format string is a literal, see check_format_fields).
+NAME_RESOLVERS = {
+    # operator
+    "attrgetter": "looks up attributes named by strings",
+    "methodcaller": "calls a method named by a string",
+    # string: get_field("0.sys", [typing], {}) returns the module itself; its
+    # get_value, vformat and the other methods are reached through the class.
+    "Formatter": "looks up fields named by strings and returns the objects",
+    # typing: string annotations and forward references are evaluated (eval).
+    "get_type_hints": "evaluates string annotations",
+    "ForwardRef": "evaluates a string as code",
+    "_evaluate": "evaluates a string as code",
+    "_eval_type": "evaluates strings as code",
+    # inspect.get_annotations(eval_str=True); inspect itself is banned.
+    "get_annotations": "evaluates string annotations",
+    # register() evaluates annotations through get_type_hints, also those of
+    # an object whose __annotations__ is a plain dict of strings.
+    "singledispatch": "evaluates annotations in register()",
+    "singledispatchmethod": "evaluates annotations in register()",
+    # enum: sys.modules[name] for a module named by a string (or the class's
+    # __module__), whose globals they read and write.
+    "global_enum": "looks up a module by its name",
+    "_convert_": "looks up a module by its name",
+    "_old_convert_": "looks up a module by its name",
+    # pkgutil.resolve_name, should another module hold it (pkgutil is banned).
+    "resolve_name": "imports and looks up names given as strings",
+    # types.CodeType: a code object from bytes and names, any code at all.
+    "CodeType": "makes code from bytes",
+    # types.MethodType(sys_named_function, typing): copy.copy of that method
+    # returns getattr(typing, "sys") (see check_function).
+    "MethodType": "binds a function to any object, where a copy looks up its name",
+}
 # Attribute walks such as ().__class__.__base__.__subclasses__() reach os
 # without naming it; frames and code objects reach globals.
 BANNED_ATTRS = frozenset((
@@ -389,45 +447,210 @@ def check_top_level(tree):
 def check_node(node):
     """AST filter for honest mistakes and for the task policy (the OS layers
     are the boundary): no input(), no banned imports, names or attributes, no
-    module reached through an attribute, no async code."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "input":
+    module reached through an attribute or a format field, no name-resolving
+    callable, no string annotation that would fail these checks as code, no
+    async code."""
+    check = NODE_CHECKS.get(type(node))
+    if check is not None:
+        check(node)
+
+
+def check_call(node):
+    if isinstance(node.func, ast.Name) and node.func.id == "input":
         raise Reject("uses_input", "calls input() (line %d)" % node.lineno)
-    if isinstance(node, ast.Import):
-        for alias in node.names:
-            check_module(alias.name, node)
-    elif isinstance(node, ast.ImportFrom):
-        if node.level:
-            raise Reject("banned_import", "relative import (line %d)" % node.lineno)
-        check_module(node.module or "", node)
-        for alias in node.names:
-            check_imported_name(alias.name, node)
-    elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
+
+
+def check_import(node):
+    for alias in node.names:
+        check_module(alias.name, node)
+
+
+def check_import_from(node):
+    if node.level:
+        raise Reject("banned_import", "relative import (line %d)" % node.lineno)
+    check_module(node.module or "", node)
+    for alias in node.names:
+        check_imported_name(alias.name, node)
+
+
+def check_name(node):
+    if node.id in BANNED_NAMES:
         raise Reject("banned_name", "uses %s (line %d)" % (node.id, node.lineno))
-    elif isinstance(node, ast.Attribute):
-        attr = node.attr
-        dunder = attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS
-        if dunder or attr in BANNED_ATTRS:
-            raise Reject("banned_name", "uses attribute .%s (line %d)" % (attr, node.lineno))
-        if reaches_module(attr):
-            raise Reject("banned_import", "reaches a module through attribute .%s (line %d)"
-                         % (attr, node.lineno))
-    elif isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith)):
-        raise Reject("invalid_program", "async code (line %d)" % node.lineno)
+
+
+def check_attribute(node):
+    check_attribute_name(node.attr, node.lineno)
+
+
+def check_attribute_name(attr, lineno):
+    """An attribute, in code or in a format field."""
+    dunder = attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS
+    if dunder or attr in BANNED_ATTRS:
+        raise Reject("banned_name", "uses attribute .%s (line %d)" % (attr, lineno))
+    if attr in NAME_RESOLVERS:
+        raise Reject("banned_name", "uses %s, which %s (line %d)" % (attr, NAME_RESOLVERS[attr], lineno))
+    if reaches_module(attr):
+        raise Reject("banned_import", "reaches a module through attribute .%s (line %d)" % (attr, lineno))
+
+
+def refuse_async(node):
+    raise Reject("invalid_program", "async code (line %d)" % node.lineno)
+
+
+def check_function(node):
+    """A function's annotations, and its name: `copy.copy` of a method bound
+    to a module (`type(obj.method)(sys, typing)`) returns getattr(module,
+    name of the function), so a function named like a module's way to a
+    module, or like a name-resolving callable, is that attribute. (A callable
+    can get its name elsewhere, from functools.wraps of an object with a
+    `__name__` attribute: the layers beneath hold there.)"""
+    name = node.name
+    if name in NAME_RESOLVERS:
+        raise Reject("banned_name", "function named %s, which %s (line %d)"
+                     % (name, NAME_RESOLVERS[name], node.lineno))
+    if name in REACHING_NAMES:
+        raise Reject("banned_import", "function named %s, an attribute that reaches a module (line %d)"
+                     % (name, node.lineno))
+    if node.returns is not None:
+        check_annotation(node.returns)
+
+
+def check_arg(node):
+    if node.annotation is not None:
+        check_annotation(node.annotation)
+
+
+def check_ann_assign(node):
+    check_annotation(node.annotation)
+
+
+def check_string(node):
+    text = node.value
+    if type(text) is str and "{" in text:
+        check_format_fields(text, node.lineno)
+
+
+def check_annotation(annotation):
+    """An annotation is code: its expression is checked with the rest of the
+    tree (under `from __future__ import annotations` too, where it becomes a
+    string only at run time). A string in it (`x: "T"`, `List["T"]`) is code
+    as well, evaluated by whatever evaluates annotations
+    (typing.get_type_hints): parsed and checked the same way, strings in it
+    too. Not the values of a `Literal[...]`, which typing keeps as values
+    (`Literal["open", "closed"]` is no use of open), nor a string that does
+    not parse as an expression, which is no code."""
+    todo = [annotation]
+    while todo:
+        node = todo.pop()
+        cls = type(node)
+        if cls is ast.Constant:
+            if type(node.value) is str:
+                tree = check_string_annotation(node)
+                if tree is not None:
+                    todo.append(tree)
+        elif cls is not ast.Subscript or not names_literal(node.value):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def names_literal(node):
+    return ((type(node) is ast.Name and node.id == "Literal")
+            or (type(node) is ast.Attribute and node.attr == "Literal"))
+
+
+def check_string_annotation(node):
+    """Checks a string annotation as code. Returns its tree, whose strings
+    are annotations too, or None when it has none or is no expression."""
+    try:
+        text = node.value.strip()
+        names = text.split(".")
+        if text.isascii() and all(name.isidentifier() for name in names):
+            # A name or a dotted name, as most are: the same checks without
+            # the cost of a parse. (ASCII only: the parser would normalize
+            # others, NFKC makes `ｅｖａｌ` eval.)
+            check_name(ast.Name(id=names[0], lineno=node.lineno))
+            for attr in names[1:]:
+                check_attribute_name(attr, node.lineno)
+            return None
+        tree = parse_annotation(node.value, node.lineno)
+        if tree is not None:
+            check_names(tree)
+        return tree
+    except Reject as rej:
+        raise Reject(rej.status, "string annotation %r: %s" % (node.value[:60], rej.reason))
+
+
+def parse_annotation(text, lineno):
+    """A string annotation as typing.ForwardRef compiles it (`*Ts` as
+    `(*Ts,)[0]`), numbered from the line it is on; None when it is no
+    expression."""
+    text = text.strip()
+    if text.startswith("*"):
+        text = "(%s,)[0]" % text
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    return ast.increment_lineno(tree, lineno - 1)
+
+
+def check_format_fields(text, lineno):
+    """A string literal read as a format string: `"{0.sys}".format(typing)`
+    (or the same text in a variable, or format_map) looks up the attributes
+    its fields name, like code does, so each passes the same checks as an
+    attribute in code. Subscripts (`{0[key]}`) are allowed as in code. A
+    string that is no format string is text; its fields up to the error are
+    checked, as str.format would have looked them up."""
+    todo = [text]
+    while todo:
+        try:
+            for _, field, spec, _ in formatter_parser(todo.pop()):
+                if field:
+                    _, rest = formatter_field_name_split(field)
+                    for is_attribute, key in rest:
+                        if is_attribute:
+                            check_field_attribute(key, field, lineno)
+                if spec and "{" in spec:
+                    todo.append(spec)
+        except ValueError:
+            continue
+
+
+def check_field_attribute(attr, field, lineno):
+    try:
+        check_attribute_name(attr, lineno)
+    except Reject as rej:
+        raise Reject(rej.status, "format field {%s}: %s" % (field[:60], rej.reason))
 
 
 def check_module(name, node):
-    if name.split(".")[0] in BANNED_MODULES:
+    """A banned module, with or without leading underscores (`_io`), or a
+    private one (`_frozen_importlib`, `_string`): not importable."""
+    if name != "__future__" and forbidden_module(name):
         raise Reject("banned_import", "imports %s (line %d)" % (name, node.lineno))
 
 
 def check_imported_name(name, node):
     """`from m import name`: not everything (the names it binds cannot be
-    checked), not a private name, not a module the program may not import."""
+    checked), not a name-resolving callable, not a private name, not a module
+    the program may not import."""
     if name == "*":
         raise Reject("banned_import", "star import (line %d)" % node.lineno)
+    if name in NAME_RESOLVERS:
+        raise Reject("banned_name", "imports %s from %s, which %s (line %d)"
+                     % (name, node.module, NAME_RESOLVERS[name], node.lineno))
     if name.startswith("_") or reaches_module(name):
         raise Reject("banned_import", "imports %s from %s (line %d)"
                      % (name, node.module, node.lineno))
+
+
+# What check_node does for each node type; every other node passes it.
+NODE_CHECKS = {
+    ast.Call: check_call, ast.Import: check_import, ast.ImportFrom: check_import_from,
+    ast.Name: check_name, ast.Attribute: check_attribute, ast.Constant: check_string,
+    ast.FunctionDef: check_function, ast.arg: check_arg, ast.AnnAssign: check_ann_assign,
+    ast.AsyncFunctionDef: refuse_async, ast.Await: refuse_async,
+    ast.AsyncFor: refuse_async, ast.AsyncWith: refuse_async,
+}
 
 
 def reaches_module(name):
@@ -497,9 +720,8 @@ def forbidden_module(name):
     return parts[0].lstrip("_") in BANNED_MODULES or any(p.startswith("_") for p in parts)
 
 
-# Node types that may raise in check_node: every other node passes it.
-CHECKED_TYPES = frozenset((ast.Call, ast.Import, ast.ImportFrom, ast.Name, ast.Attribute,
-                           ast.AsyncFunctionDef, ast.Await, ast.AsyncFor, ast.AsyncWith))
+# Node types that note_for_private_check looks at.
+NOTED_TYPES = frozenset((ast.Attribute, ast.Import, ast.ImportFrom))
 # Decision points for the cyclomatic number: one each, plus the extra ones below.
 DECISION_TYPES = frozenset((ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHandler,
                             ast.Assert, ast.match_case, ast.comprehension, ast.BoolOp))
@@ -520,9 +742,11 @@ def scan(tree):
         for node in level:
             cls = type(node)
             kinds.add(cls)
-            if cls in CHECKED_TYPES:
-                check_node(node)
-                note_for_private_check(node, attributes, imported)
+            check = NODE_CHECKS.get(cls)
+            if check is not None:
+                check(node)
+                if cls in NOTED_TYPES:
+                    note_for_private_check(node, attributes, imported)
             if cls in DECISION_TYPES:
                 if cls is ast.comprehension:
                     decisions += 1 + len(node.ifs)

@@ -315,6 +315,17 @@ fn invalid_proposals_get_typed_reasons() {
             "1",
             Status::BannedImport,
         ),
+        // Private modules, banned ones with a leading underscore among them.
+        (
+            "import _io\ndef f(a):\n    return _io.open('/etc/passwd').read()",
+            "1",
+            Status::BannedImport,
+        ),
+        (
+            "import _frozen_importlib as b\ndef f(a):\n    return b.BuiltinImporter.load_module('posix').getpid()",
+            "1",
+            Status::BannedImport,
+        ),
         (
             "from math import *\ndef f(a):\n    return floor(a)",
             "1",
@@ -370,6 +381,192 @@ fn invalid_proposals_get_typed_reasons() {
         pool.validate_proposal(&huge, "1").unwrap().status,
         Status::InvalidProgram
     );
+}
+
+/// The checks read names from the AST, so a name given as a string escapes
+/// them. The callables that resolve one, string annotations and the fields
+/// of literal format strings are refused instead, each reason naming the
+/// call (or field) and the line. The layers contain these programs when the
+/// checks are bypassed: see `hostile_programs_are_contained`.
+#[test]
+fn names_given_as_strings_are_refused_with_the_call_and_line() {
+    let _guard = serial();
+    let pool = pool(2);
+    let cases: Vec<(&str, Status, &[&str])> = vec![
+        (
+            "import operator\nimport typing\ndef f(x):\n    m = operator.attrgetter(\"sys.modules\")(typing)\n    m['os'].system('true')\n    return x",
+            Status::BannedName,
+            &["attrgetter", "line 4"],
+        ),
+        (
+            "from operator import attrgetter\nimport typing\ndef f(x):\n    return attrgetter('sys')(typing)",
+            Status::BannedName,
+            &["attrgetter", "line 1"],
+        ),
+        (
+            "import operator as op\ndef f(x):\n    return op.methodcaller('upper')(x)",
+            Status::BannedName,
+            &["methodcaller", "line 3"],
+        ),
+        (
+            "import string\nimport typing\ndef f(x):\n    return string.Formatter().get_field('0.sys', [typing], {})[0]",
+            Status::BannedName,
+            &["Formatter", "line 4"],
+        ),
+        (
+            "from string import Formatter\ndef f(x):\n    return Formatter().vformat('{0}', [x], {})",
+            Status::BannedName,
+            &["Formatter", "line 1"],
+        ),
+        (
+            "def f(x: \"__import__('os').getpid()\"):\n    return x",
+            Status::BannedName,
+            &["string annotation", "__import__", "line 1"],
+        ),
+        (
+            "import typing\ndef f(x):\n    y: typing.List[\"typing.sys.modules['os']\"] = []\n    return x",
+            Status::BannedImport,
+            &["string annotation", "attribute .modules", "line 3"],
+        ),
+        (
+            "from __future__ import annotations\ndef f(x: __import__('os').getpid()) -> int:\n    return x",
+            Status::BannedName,
+            &["__import__", "line 2"],
+        ),
+        (
+            "import typing\ndef f(x: 'int'):\n    return typing.get_type_hints(f)",
+            Status::BannedName,
+            &["get_type_hints", "line 3"],
+        ),
+        (
+            "import typing\ndef f(x):\n    return typing.ForwardRef('x')",
+            Status::BannedName,
+            &["ForwardRef", "line 3"],
+        ),
+        (
+            "import functools\ndef f(x):\n    return functools.singledispatch(len)(x)",
+            Status::BannedName,
+            &["singledispatch", "line 3"],
+        ),
+        (
+            "import enum\ndef f(x):\n    class E(enum.Enum):\n        A = 1\n    return E._convert_('X', 'os', str.isupper)",
+            Status::BannedName,
+            &["_convert_", "line 5"],
+        ),
+        (
+            "def f(x):\n    class C:\n        __annotations__ = {'a': \"__import__('os')\"}\n    return x",
+            Status::BannedName,
+            &["__annotations__", "line 3"],
+        ),
+        (
+            "import pydoc\ndef f(x):\n    return pydoc.locate('os.system')",
+            Status::BannedImport,
+            &["pydoc", "line 1"],
+        ),
+        (
+            "def f(x):\n    import pkgutil\n    return pkgutil.resolve_name('os:system')",
+            Status::BannedImport,
+            &["pkgutil", "line 2"],
+        ),
+        // copy.copy of a method bound to a module returns getattr(module,
+        // the function's name).
+        (
+            "import copy\nimport typing\ndef f(x):\n    def sys():\n        pass\n    class B:\n        def m(self):\n            pass\n    return copy.copy(type(B().m)(sys, typing)).platform",
+            Status::BannedImport,
+            &["function named sys", "line 4"],
+        ),
+        (
+            "import types\nimport typing\ndef f(x):\n    return types.MethodType(len, typing)",
+            Status::BannedName,
+            &["MethodType", "line 4"],
+        ),
+        // Only text, but the same walk as typing.sys in code.
+        (
+            "import typing\ndef f(x):\n    return '{0.sys}'.format(typing)",
+            Status::BannedImport,
+            &["{0.sys}", "line 3"],
+        ),
+        (
+            "import typing\ndef f(x):\n    s = 'at {t.sys.modules[os].system}'\n    return s.format_map({'t': typing})",
+            Status::BannedImport,
+            &["{t.sys.modules[os].system}", "line 3"],
+        ),
+        (
+            "def f(x):\n    return '{0.__class__}'.format(x)",
+            Status::BannedName,
+            &["{0.__class__}", "line 2"],
+        ),
+    ];
+    let jobs: Vec<Job> = cases.iter().map(|(p, _, _)| proposal(p, "1")).collect();
+    for ((program, status, words), result) in cases.iter().zip(pool.batch(&jobs)) {
+        let Outcome::Proposal(v) = result.unwrap() else {
+            panic!("proposal outcome")
+        };
+        assert_eq!(v.status, *status, "{program:?}: {}", v.reason);
+        for word in *words {
+            assert!(
+                v.reason.contains(word),
+                "{program:?}: {:?} does not say {word:?}",
+                v.reason
+            );
+        }
+    }
+}
+
+/// What the checks above must not refuse: itemgetter (subscripts, no dotted
+/// names), format strings with plain fields, format_map, annotations, string
+/// annotations that are plain types, Literal values.
+#[test]
+fn plain_operator_format_and_annotations_stay_valid() {
+    let _guard = serial();
+    let pool = pool(2);
+    let cases = [
+        (
+            "import operator\ndef f(xs):\n    return sorted(xs, key=operator.itemgetter(1)), operator.add(1, 2)",
+            "[(1, 'b'), (2, 'a')]",
+            "([(2, 'a'), (1, 'b')], 3)",
+        ),
+        (
+            "from operator import itemgetter\ndef f(d):\n    return itemgetter('a', 'b')(d)",
+            "{'a': 1, 'b': 2}",
+            "(1, 2)",
+        ),
+        (
+            "def f(x):\n    return '{0}-{1:>3}-{2[0]}-{y.real}-{0!r}'.format('a', x, [7], y=2.5)",
+            "5",
+            "\"a-  5-7-2.5-'a'\"",
+        ),
+        (
+            "def f(n):\n    return '{name}:{n:03d}'.format_map({'name': 'id', 'n': n}) + str.format('{}', n)",
+            "7",
+            "'id:0077'",
+        ),
+        (
+            "class P:\n    def __init__(self, v):\n        self.v = v\n    def __repr__(self):\n        return 'P({0.v})'.format(self)\ndef f(x):\n    return [P(x)]",
+            "3",
+            "[P(3)]",
+        ),
+        (
+            "import typing\ndef f(xs: 'typing.List[int]', k: typing.Optional[int] = None) -> 'int':\n    total: 'int' = sum(xs)\n    return total * (k or 1)",
+            "[1, 2], 3",
+            "9",
+        ),
+        (
+            "from __future__ import annotations\nfrom typing import Literal\ndef f(state: Literal['open', 'closed']) -> list[str]:\n    return [state]",
+            "'open'",
+            "['open']",
+        ),
+        (
+            "from dataclasses import dataclass\n@dataclass\nclass Point:\n    x: int\n    y: int = 0\ndef f(a):\n    return Point(a)",
+            "4",
+            "Point(x=4, y=0)",
+        ),
+    ];
+    for (program, input, expected) in cases {
+        let v = pool.validate_proposal(program, input).unwrap();
+        assert_eq!(v.status, Status::Ok, "{program:?}: {}", v.reason);
+        assert_eq!(v.output.as_deref(), Some(expected), "{program:?}");
+    }
 }
 
 #[test]
@@ -512,9 +709,8 @@ fn hostile_programs_are_contained() {
     std::fs::create_dir_all(&scratch).unwrap();
     let secret = scratch.join("secret.txt");
     std::fs::write(&secret, "the secret").unwrap();
-    let escapes: Vec<PathBuf> = ["escape-a", "escape-b", "escape-c"]
-        .iter()
-        .map(|n| scratch.join(n))
+    let escapes: Vec<PathBuf> = ('a'..='i')
+        .map(|c| scratch.join(format!("escape-{c}")))
         .collect();
     let shm_escape = Path::new("/dev/shm").join(format!("populora-escape-{}", std::process::id()));
     let var_tmp_escape =
@@ -629,6 +825,75 @@ fn hostile_programs_are_contained() {
                 returns_zero,
             ),
             &[Status::Mismatch, Status::RuntimeError],
+        ),
+        // Names given as strings, which the checks refuse
+        // (names_given_as_strings_are_refused_with_the_call_and_line), run
+        // unchecked. A mismatch: the call reached os.system, which failed.
+        (
+            "os.system through operator.attrgetter",
+            humaneval(
+                &format!(
+                    "import operator\nimport typing\ndef candidate_fn():\n    m = operator.attrgetter('sys.modules')(typing)\n    return m['os'].system('echo pwned > {}')",
+                    escapes[3].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
+        ),
+        (
+            "os.system through string.Formatter().get_field",
+            humaneval(
+                &format!(
+                    "import string\nimport typing\ndef candidate_fn():\n    m = string.Formatter().get_field('0.sys.modules', [typing], {{}})[0]\n    return m['os'].system('echo pwned > {}')",
+                    escapes[4].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
+        ),
+        (
+            "os.system in a string annotation, through typing.get_type_hints",
+            humaneval(
+                &format!(
+                    "import typing\ndef candidate_fn():\n    def g(x: \"__import__('os').system('echo pwned > {}')\"):\n        pass\n    return typing.get_type_hints(g)['x']",
+                    escapes[5].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
+        ),
+        (
+            "os.system through pydoc.locate",
+            humaneval(
+                &format!(
+                    "import pydoc\ndef candidate_fn():\n    return pydoc.locate('os.system')('echo pwned > {}')",
+                    escapes[6].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
+        ),
+        (
+            "os.system through pkgutil.resolve_name",
+            humaneval(
+                &format!(
+                    "import pkgutil\ndef candidate_fn():\n    return pkgutil.resolve_name('os:system')('echo pwned > {}')",
+                    escapes[7].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
+        ),
+        (
+            "os.system through copy.copy of a method bound to typing",
+            humaneval(
+                &format!(
+                    "import copy\nimport typing\ndef candidate_fn():\n    def sys():\n        pass\n    class B:\n        def m(self):\n            pass\n    m = copy.copy(type(B().m)(sys, typing)).modules\n    return m['os'].system('echo pwned > {}')",
+                    escapes[8].display()
+                ),
+                returns_zero,
+            ),
+            &[Status::Mismatch],
         ),
         (
             "ignoring SIGTERM",
