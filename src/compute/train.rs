@@ -108,6 +108,10 @@ pub struct TrainStats {
     /// ran: a skipped row's ratios are never computed).
     pub clip_fraction: f64,
     pub mean_ratio: f64,
+    /// Token slots of this adapter's sequences that went through the forward
+    /// and backward (padding left out): what sharing prompts and skipping
+    /// save, measured.
+    pub tokens_run: usize,
 }
 
 #[derive(Debug, Default)]
@@ -531,6 +535,11 @@ pub fn train_step(
         }
         out.micro_batches += 1;
         out.tokens_run += layout.tokens_run;
+        for pack in batch {
+            if let Some(id) = pack.adapter {
+                out.stats.entry(id).or_default().tokens_run += pack.width();
+            }
+        }
     }
     ratios.finish(&mut out.stats);
     for r in rows {

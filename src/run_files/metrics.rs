@@ -57,6 +57,11 @@ pub struct MemberLine {
     pub grad_norm: Option<f64>,
     /// Tokens it trained on (`None`: it did not train this step).
     pub train_tokens: Option<usize>,
+    /// Token slots its sequences ran through the train step, prompts shared
+    /// and rows that add nothing skipped (`None`: it did not train, or a run
+    /// from before this was measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_tokens_run: Option<usize>,
 }
 
 /// Reward statistics of one (task kind × role) group.

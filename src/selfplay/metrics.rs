@@ -40,6 +40,8 @@ pub struct StepMetrics {
     pub member_reward: BTreeMap<MemberId, f64>,
     /// Tokens trained per member.
     pub train_tokens: BTreeMap<MemberId, usize>,
+    /// Token slots each member's sequences ran through the train step.
+    pub train_tokens_run: BTreeMap<MemberId, usize>,
     /// Gradient norm before clipping, per member.
     pub grad_norm: BTreeMap<MemberId, f64>,
     /// The step's compute: its generated and trained rows ([`Cost`]).

@@ -37,6 +37,10 @@ pub struct Learner {
 pub struct Trained {
     /// Response tokens it trained on.
     pub tokens: usize,
+    /// Token slots its sequences ran through the train step (prompts shared,
+    /// rows that add nothing skipped: [`crate::compute::TrainStats::tokens_run`]).
+    #[serde(default)]
+    pub tokens_run: usize,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// Its adapter's checksum after the update.
@@ -150,6 +154,7 @@ pub async fn play_step<B: StepBackend>(
     metrics.phase_ms = clock.phase_ms;
     metrics.grad_norm = trained.iter().map(|(&id, t)| (id, t.grad_norm)).collect();
     metrics.train_tokens = trained.iter().map(|(&id, t)| (id, t.tokens)).collect();
+    metrics.train_tokens_run = trained.iter().map(|(&id, t)| (id, t.tokens_run)).collect();
     Ok(StepReport {
         metrics,
         proposals,
@@ -241,11 +246,12 @@ impl StepBackend for Local<'_> {
                 grads,
                 ctx.settings.grad_clip,
             )?;
-            let tokens = out.stats.get(&id).map_or(0, |s| s.tokens);
+            let stats = out.stats.get(&id).cloned().unwrap_or_default();
             trained.insert(
                 id,
                 Trained {
-                    tokens,
+                    tokens: stats.tokens,
+                    tokens_run: stats.tokens_run,
                     grad_norm: report.grad_norm,
                     checksum: learner.adapter.checksum()?,
                 },

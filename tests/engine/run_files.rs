@@ -199,6 +199,7 @@ fn sample_line() -> MetricsLine {
                 rating: Rating::new(26.5, 7.25),
                 grad_norm: Some(0.5),
                 train_tokens: Some(300),
+                train_tokens_run: Some(210),
             },
             MemberLine {
                 id: "student-3".into(),
@@ -209,6 +210,7 @@ fn sample_line() -> MetricsLine {
                 rating: Rating::new(25.0, 8.0),
                 grad_norm: None,
                 train_tokens: None,
+                train_tokens_run: None,
             },
         ],
         groups: vec![GroupMetrics {

@@ -125,9 +125,10 @@ impl LocalSite {
                     return Err(StepError::Died(died));
                 }
             };
-            let tokens = out.stats.get(&id).map_or(0, |s| s.tokens);
+            let stats = out.stats.get(&id).cloned().unwrap_or_default();
             let t = Trained {
-                tokens,
+                tokens: stats.tokens,
+                tokens_run: stats.tokens_run,
                 grad_norm: updated.grad_norm,
                 checksum: updated.checksum,
             };

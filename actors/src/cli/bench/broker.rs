@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use populora::base::{BaseModel, Message};
-use populora::compute::{self, AdapterSet, Cost, GenRequest, Sampling, TrainConfig, TrainRow};
+use populora::compute::{
+    self, AdapterSet, Cost, DecodeOptions, GenRequest, Sampling, TrainConfig, TrainRow,
+};
 use populora::keyed_stream;
 use populora::lora::{Adapter, LoraConfig};
 use rand::Rng;
@@ -27,6 +29,10 @@ pub struct Args {
     /// step (the best of each is reported).
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
+    /// Leave out the grouped case (rollouts sharing prompts, with prompt
+    /// sharing on and off: several minutes on 2 cores).
+    #[arg(long)]
+    pub skip_grouped: bool,
     #[command(flatten)]
     pub model: BenchModel,
 }
@@ -161,6 +167,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // CPU only: nothing to measure on a GPU yet.
         None
     };
+    let grouped = if args.skip_grouped || !device.is_cpu() {
+        None
+    } else {
+        Some(grouped_speed(&base, &set)?)
+    };
     let matmul = matmul_gflops(&device)?.max(matmul_before);
     let value = serde_json::json!({
         "multi_tok_s": multi,
@@ -174,6 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "train_over_matmul": train.as_ref().map(|t| t.gflops / matmul),
         "train_micro_batches": train.as_ref().map(|t| t.micro_batches),
         "train_micro_batch_tokens": TrainConfig::default().micro_batch_tokens,
+        "grouped": grouped,
         "adapters": ADAPTERS,
         "rows": ADAPTERS * ROWS_PER_ADAPTER,
         "new_tokens_per_row": args.tokens,
@@ -226,4 +238,111 @@ fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Resul
         gflops: train_flops(base, rows.len(), len, scored) / train_s / 1e9,
         micro_batches,
     })
+}
+
+/// The grouped case: 8 adapters × 4 prompts of [`GROUPED_PROMPT`] tokens,
+/// [`GROUPED_ANSWERS`] sampled answers of [`GROUPED_ANSWER`] tokens per
+/// prompt (a self-play step's solver rollouts), decoded and trained with
+/// prompt sharing on and off; tokens/s count every rollout's prompt and
+/// answer, as a run's per-rollout token counts do.
+const GROUPED_PROMPT: usize = 128;
+const GROUPED_ANSWERS: usize = 8;
+const GROUPED_ANSWER: usize = 32;
+
+fn grouped_speed(base: &BaseModel, set: &AdapterSet) -> anyhow::Result<serde_json::Value> {
+    let vocab = base.config().vocab_size as u32;
+    let mut rng = keyed_stream!(0, "bench-grouped");
+    let prompts: Vec<(u64, Vec<u32>)> = (0..ADAPTERS * ROWS_PER_ADAPTER)
+        .map(|i| {
+            let prompt = (0..GROUPED_PROMPT)
+                .map(|_| rng.random_range(0..vocab))
+                .collect();
+            ((i / ROWS_PER_ADAPTER) as u64, prompt)
+        })
+        .collect();
+    let requests: Vec<GenRequest> = prompts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (adapter, prompt))| {
+            (0..GROUPED_ANSWERS).map(move |j| GenRequest {
+                adapter: Some(*adapter),
+                prompt: prompt.clone(),
+                max_new_tokens: GROUPED_ANSWER,
+                stop: vec![],
+                sampling: Sampling::default(),
+                rng: keyed_stream!(i as u64, "bench-grouped-row", j as u64),
+                grammar: None,
+            })
+        })
+        .collect();
+    let rollout_tokens = (requests.len() * (GROUPED_PROMPT + GROUPED_ANSWER)) as f64;
+    let mut value = serde_json::json!({
+        "adapters": ADAPTERS,
+        "prompts_per_adapter": ROWS_PER_ADAPTER,
+        "prompt_tokens": GROUPED_PROMPT,
+        "answers_per_prompt": GROUPED_ANSWERS,
+        "answer_tokens": GROUPED_ANSWER,
+    });
+    let mut rows = Vec::new();
+    for share_prefixes in [true, false] {
+        let options = DecodeOptions {
+            share_prefixes,
+            ..DecodeOptions::default()
+        };
+        let start = Instant::now();
+        let (out, _) = compute::generate_with(&base.model, set, requests.clone(), options)?;
+        let decode_s = start.elapsed().as_secs_f64();
+        if rows.is_empty() {
+            rows = grouped_train_rows(&requests, &out, &mut rng);
+        }
+        let config = TrainConfig {
+            share_prefixes,
+            ..TrainConfig::default()
+        };
+        let start = Instant::now();
+        let trained = compute::train_step(&base.model, set, &rows, config)?;
+        let train_s = start.elapsed().as_secs_f64();
+        let side = if share_prefixes { "shared" } else { "plain" };
+        value[side] = serde_json::json!({
+            "decode_tok_s": rollout_tokens / decode_s,
+            "train_tok_s": rollout_tokens / train_s,
+            "train_tokens_run": trained.tokens_run,
+        });
+    }
+    for what in ["decode_tok_s", "train_tok_s"] {
+        let ratio = value["shared"][what].as_f64().unwrap_or(0.0)
+            / value["plain"][what].as_f64().unwrap_or(f64::NAN);
+        value[format!("{what}_shared_over_plain")] = ratio.into();
+    }
+    Ok(value)
+}
+
+/// One train row per generated answer: its prompt, then its answer in the
+/// loss with a random non-zero advantage (nothing is skipped: the case
+/// measures sharing alone).
+fn grouped_train_rows(
+    requests: &[GenRequest],
+    generations: &[compute::Generation],
+    rng: &mut impl Rng,
+) -> Vec<TrainRow> {
+    requests
+        .iter()
+        .zip(generations)
+        .map(|(r, g)| {
+            let (p, n) = (r.prompt.len(), r.prompt.len() + g.tokens.len());
+            let advantage = rng.random_range(0.1f32..1.0) * if rng.random() { 1.0 } else { -1.0 };
+            TrainRow {
+                adapter: r.adapter.unwrap_or_default(),
+                tokens: [r.prompt.as_slice(), &g.tokens].concat(),
+                prompt_len: p,
+                loss_mask: (0..n).map(|t| t >= p).collect(),
+                advantages: vec![advantage; n],
+                old_logprobs: std::iter::repeat_n(0.0, p)
+                    .chain(g.logprobs.iter().copied())
+                    .collect(),
+                allowed: vec![None; n],
+                temperature: 1.0,
+            }
+        })
+        .collect()
 }
