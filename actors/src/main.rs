@@ -2,6 +2,7 @@
 //! under `cli/`; this file only parses and dispatches.
 
 mod cli;
+mod experiment;
 mod runtime;
 
 use clap::{Parser, Subcommand};

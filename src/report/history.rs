@@ -146,6 +146,8 @@ pub(crate) fn build(data: &RunData, warnings: &mut Vec<String>) -> History {
                 journal_steps.push(*step);
             }
             Event::CheckpointSkipped { .. }
+            | Event::Seeding { .. }
+            | Event::ComputeMark { .. }
             | Event::Layout { .. }
             | Event::NodeLost { .. }
             | Event::NodeBack { .. }

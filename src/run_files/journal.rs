@@ -7,6 +7,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::compute::Cost;
 use crate::scenario::Role;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,6 +18,25 @@ pub enum Event {
         seed: u64,
         scenario: String,
         members: Vec<MemberEntry>,
+    },
+    /// The seeding stage's buffers, which training starts from
+    /// (`seeding.json` in the run directory; `checksum`: its SHA-256): the
+    /// entries each kind's buffer holds, the proposals it took and their
+    /// compute, which is not part of the run's `compute_total`.
+    Seeding {
+        checksum: String,
+        entries: BTreeMap<String, usize>,
+        rounds: usize,
+        proposals: usize,
+        valid: usize,
+        compute: Cost,
+    },
+    /// The run's compute crossed `target_tflop` (`checkpoint.at_tflop`) at
+    /// the end of `step`, whose checkpoint holds the members as they were.
+    ComputeMark {
+        step: u64,
+        target_tflop: f64,
+        spent_tflop: f64,
     },
     /// A command applied (or refused: `outcome` says why) at the start of `step`.
     Control {

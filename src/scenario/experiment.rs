@@ -1,14 +1,16 @@
 //! Experiment files (`experiments/*.toml`): a population scenario and a
-//! single-adapter baseline scenario, run on the same compute budget and
-//! evaluated side by side (`populora experiment`).
+//! single-adapter baseline scenario, run for several seeds on matched
+//! compute and evaluated side by side (`populora experiment`).
 //!
 //! ```toml
 //! name = "quick"                       # default: the file stem
 //! population = "quick-population.toml" # a population-mode scenario, relative to this file
 //! baseline = "quick-baseline.toml"     # a solo-mode scenario; its budget is set to
 //!                                      # what the population spent, its `steps` bound it
+//! seeds = [1, 2, 3]                    # default: the population scenario's seed
 //! [eval]
 //! benchmarks = ["humaneval", "humaneval-io"]
+//! selection = 0.3                      # share of HumanEval problems that pick the best member
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -34,6 +36,10 @@ pub struct Experiment {
     /// `steps` is an upper bound: the run ends when it has spent what the
     /// population spent.
     pub baseline: PathBuf,
+    /// Training seeds: each runs both arms with that scenario seed. Distinct.
+    /// Default: the population scenario's seed alone.
+    #[serde(default)]
+    pub seeds: Vec<u64>,
     /// What every row is evaluated on.
     #[serde(default)]
     pub eval: ExperimentEval,
@@ -47,8 +53,12 @@ pub struct ExperimentEval {
     /// (output and input prediction, answers decoded as in self-play).
     /// Default: both.
     pub benchmarks: Vec<String>,
-    /// Items per benchmark, 0 = all. Default: 0.
+    /// Items per benchmark, 0 = all (after `problems`). Default: 0.
     pub limit: usize,
+    /// A fixed subset of HumanEval problems, each with all its HumanEval-IO
+    /// items, drawn with a stream keyed by the first seed and the same for
+    /// every row (the report names them); 0 = every problem. Default: 0.
+    pub problems: usize,
     /// Samples per item: 1 = greedy pass@1; more adds pass@k at temperature 0.8. Default: 1.
     pub samples: usize,
     /// k of pass@k, <= samples. Default: 10.
@@ -57,8 +67,13 @@ pub struct ExperimentEval {
     pub max_new_tokens: usize,
     /// Rows per generation batch. Default: 32.
     pub batch: usize,
-    /// Paired-bootstrap resamples for the intervals, >= 100. Default: 10000.
+    /// Bootstrap resamples for the intervals, >= 100. Default: 10000.
     pub bootstrap: usize,
+    /// Share of the HumanEval problems (each with its HumanEval-IO items),
+    /// drawn once with a seeded stream and the same for every row, on which
+    /// the best and the weakest member of each seed are chosen; every row is
+    /// reported on the rest. 0 < selection < 1. Default: 0.3.
+    pub selection: f64,
 }
 
 impl Default for ExperimentEval {
@@ -66,11 +81,23 @@ impl Default for ExperimentEval {
         ExperimentEval {
             benchmarks: vec!["humaneval".into(), "humaneval-io".into()],
             limit: 0,
+            problems: 0,
             samples: 1,
             k: 10,
             max_new_tokens: 384,
             batch: 32,
             bootstrap: 10_000,
+            selection: 0.3,
+        }
+    }
+}
+
+impl LoadedExperiment {
+    /// The training seeds, in the file's order.
+    pub fn seeds(&self) -> Vec<u64> {
+        match self.experiment.seeds.is_empty() {
+            true => vec![self.population.seed],
+            false => self.experiment.seeds.clone(),
         }
     }
 }
@@ -129,6 +156,17 @@ impl Experiment {
             let why = "the population and the baseline must use the same [model]";
             return Err(fail("baseline", why.into()));
         }
+        if population.seeding != baseline.seeding {
+            let why = "the population and the baseline must have the same [seeding]: each seed's stage is run once and both arms start from it";
+            return Err(fail("baseline", why.into()));
+        }
+        let mut seeds = experiment.seeds.clone();
+        seeds.sort_unstable();
+        seeds.dedup();
+        if seeds.len() != experiment.seeds.len() {
+            let why = format!("seeds = {:?}: each seed once", experiment.seeds);
+            return Err(fail("seeds", why));
+        }
         Ok(LoadedExperiment {
             experiment,
             population,
@@ -171,6 +209,11 @@ impl Experiment {
             ),
             ("eval.batch", e.batch >= 1, "1.."),
             ("eval.bootstrap", e.bootstrap >= 100, "100.."),
+            (
+                "eval.selection",
+                e.selection > 0.0 && e.selection < 1.0,
+                "0 < selection < 1",
+            ),
         ];
         match checks.iter().find(|(_, ok, _)| !ok) {
             Some((key, _, allowed)) => {

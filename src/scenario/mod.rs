@@ -76,6 +76,9 @@ pub struct Scenario {
     /// Checkpoint cadence.
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    /// AZR's seeding stage before step 1 (off by default).
+    #[serde(default)]
+    pub seeding: SeedingSection,
     /// Scripted live events, in file order. Default: none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<ScriptedEvent>,
@@ -523,11 +526,62 @@ impl Default for VerifierSection {
 pub struct CheckpointSection {
     /// Steps between checkpoints, >= 1. Default: 5.
     pub every: u64,
+    /// Compute marks in TFLOP, each > 0: a checkpoint is also written at the
+    /// step boundary where the run's compute crosses each (the boundary
+    /// nearest it, by `budget_tflop`'s rule) and journaled as a
+    /// `compute_mark`. `populora experiment` marks a baseline where it has
+    /// spent what one population member spent. Default: none.
+    pub at_tflop: Vec<f64>,
 }
 
 impl Default for CheckpointSection {
     fn default() -> Self {
-        CheckpointSection { every: 5 }
+        CheckpointSection {
+            every: 5,
+            at_tflop: Vec::new(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- [seeding]
+
+/// `[seeding]`: AZR's seeding stage. Before step 1 the base model, with no
+/// adapter, proposes (with the run's prompts, sampling and grammars) until
+/// each task kind's buffer holds `entries` valid, distinct tasks; training
+/// starts from those buffers. Its compute is reported apart and never
+/// counts toward `budget_tflop`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SeedingSection {
+    /// Valid, distinct tasks per kind, the identity task included,
+    /// 0..=4096 (0 = no stage: start from the identity task; AZR: 256).
+    /// Default: 0.
+    pub entries: usize,
+    /// Proposals per kind per round (one generation batch), 1..=512. Default: 32.
+    pub batch: usize,
+    /// Rounds before the stage gives up naming the kinds still short, >= 1.
+    /// Default: 100.
+    pub max_rounds: usize,
+}
+
+impl Default for SeedingSection {
+    fn default() -> Self {
+        SeedingSection {
+            entries: 0,
+            batch: 32,
+            max_rounds: 100,
+        }
+    }
+}
+
+impl SeedingSection {
+    /// The stage's settings, when there is a stage.
+    pub fn config(&self) -> Option<crate::selfplay::SeedingConfig> {
+        (self.entries > 0).then_some(crate::selfplay::SeedingConfig {
+            entries: self.entries,
+            batch: self.batch,
+            max_rounds: self.max_rounds,
+        })
     }
 }
 

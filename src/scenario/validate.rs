@@ -288,8 +288,24 @@ pub(super) fn validate(
     )?;
     let every = scenario.checkpoint.every;
     v.range(every >= 1, "checkpoint.every", every, "1..")?;
+    for (i, &mark) in scenario.checkpoint.at_tflop.iter().enumerate() {
+        let key = format!("checkpoint.at_tflop[{i}]");
+        v.range(mark.is_finite() && mark > 0.0, &key, mark, "> 0")?;
+    }
+    seeding(&v, &scenario.seeding)?;
     cluster(&v, scenario)?;
     events(&v, scenario, check)
+}
+
+fn seeding(v: &Validator, s: &super::SeedingSection) -> Result<(), ScenarioError> {
+    v.range(s.entries <= 4096, "seeding.entries", s.entries, "0..=4096")?;
+    v.range(
+        (1..=512).contains(&s.batch),
+        "seeding.batch",
+        s.batch,
+        "1..=512",
+    )?;
+    v.range(s.max_rounds >= 1, "seeding.max_rounds", s.max_rounds, "1..")
 }
 
 fn cluster(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {

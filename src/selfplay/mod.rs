@@ -19,6 +19,7 @@ mod grammars;
 mod learn;
 mod metrics;
 mod propose;
+mod seeding;
 mod solve;
 mod step;
 
@@ -28,6 +29,7 @@ pub use metrics::{step_cost, ProgramMetrics, StepMetrics};
 pub use propose::{
     accept, judge_proposals, proposal_jobs, AcceptedTask, ProposalJob, ProposalResult, Verdict,
 };
+pub use seeding::{seed_buffers, Seeded, SeedingConfig, SEEDING_AUTHOR};
 pub use solve::{judge_solutions, problems, solve_jobs, Problem, SolveJob, SolveResult};
 pub use step::{play_step, run_step, Learner, Local, StepBackend, StepReport, Trained};
 
@@ -253,6 +255,8 @@ pub enum Error {
     Grammar(#[from] GrammarError),
     #[error("member {0} takes part in the step but has no adapter")]
     UnknownMember(MemberId),
+    #[error("seeding: {0}")]
+    Seeding(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

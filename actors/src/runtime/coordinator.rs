@@ -400,16 +400,40 @@ fn defer_commands(
 pub const DEFERRED: &str = "deferred";
 
 /// Whether the run has spent its compute budget (`budget_tflop`): it ends
-/// at the step boundary nearest the budget, that is once another step like
-/// the last would take it further past the budget than it now falls short.
+/// at the step boundary nearest the budget.
 fn budget_spent(state: &State) -> bool {
-    let league = &state.args.league;
+    let budget = state.args.scenario.budget_tflop;
+    budget.is_some_and(|tflop| reached(&state.args.league, tflop))
+}
+
+/// Whether the run's compute has reached `tflop` at this step boundary: the
+/// boundary nearest it, that is once another step like the last would take
+/// it further past `tflop` than it now falls short. The one rule of the
+/// budget and of the compute marks.
+fn reached(league: &League, tflop: f64) -> bool {
     let (spent, last) = (league.spent.flops, league.last_spent.flops);
-    state
-        .args
-        .scenario
-        .budget_tflop
-        .is_some_and(|budget| spent + last / 2.0 >= budget * 1e12)
+    spent + last / 2.0 >= tflop * 1e12
+}
+
+/// Journals every compute mark (`checkpoint.at_tflop`, smallest first) that
+/// step `s` reached; whether there was one (the step is then checkpointed).
+fn compute_marks(state: &mut State, s: u64) -> anyhow::Result<bool> {
+    let mut marks = state.args.scenario.checkpoint.at_tflop.clone();
+    marks.sort_by(f64::total_cmp);
+    let mut marked = false;
+    while let Some(&target) = marks.get(state.args.league.marks_passed) {
+        if !reached(&state.args.league, target) {
+            break;
+        }
+        state.args.journal.append(&Event::ComputeMark {
+            step: s,
+            target_tflop: target,
+            spent_tflop: state.args.league.spent.flops / 1e12,
+        })?;
+        state.args.league.marks_passed += 1;
+        marked = true;
+    }
+    Ok(marked)
 }
 
 /// Commands for step `s`: the scenario's events, scheduled ones (replay,
@@ -844,7 +868,9 @@ async fn commit(
     );
     state.args.metrics.append(&line)?;
     state.step_times.push(wall_ms / 1e3);
-    if s.is_multiple_of(state.args.scenario.checkpoint.every) || s == state.args.last_step {
+    let marked = compute_marks(state, s)?;
+    if marked || s.is_multiple_of(state.args.scenario.checkpoint.every) || s == state.args.last_step
+    {
         checkpoint(state).await?;
         if s < state.args.last_step {
             rejoin(state, s).await?;

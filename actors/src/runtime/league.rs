@@ -46,6 +46,10 @@ pub struct League {
     pub spent: Cost,
     #[serde(default)]
     pub last_spent: Cost,
+    /// How many of `checkpoint.at_tflop`'s marks (smallest first) the run
+    /// has passed.
+    #[serde(default)]
+    pub marks_passed: usize,
 }
 
 impl League {
@@ -65,6 +69,7 @@ impl League {
             metrics_lines: 0,
             spent: Cost::default(),
             last_spent: Cost::default(),
+            marks_passed: 0,
         };
         let p = &scenario.population;
         match p.mode {

@@ -40,6 +40,7 @@ pub mod node;
 pub mod progress;
 pub mod replay;
 pub mod rundir;
+pub mod seeding;
 pub mod site;
 pub mod verifier;
 pub mod wire;

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use populora::lora::{AdamW, Adapter};
 use populora::rating::{Rating, TrueSkillConfig};
 use populora::scenario::{check_operator, Scenario};
-use populora::selfplay::{Learner, MemberId};
+use populora::selfplay::{Learner, MemberId, Seeded};
 use ractor::Actor;
 use tokio::sync::{mpsc, oneshot};
 
@@ -22,12 +22,23 @@ use super::journal::{self, Event, Log, Source};
 use super::league::League;
 use super::member;
 use super::rundir::RunDir;
+use super::seeding;
 use super::{NodeBack, NodeLost};
 
 /// A new run of `scenario` in `out`. A worker node lost mid-run sends it
-/// back to its last checkpoint on the nodes still up ([`recover`]).
+/// back to its last checkpoint on the nodes still up ([`recover`]). With a
+/// `[seeding]` stage, the run starts by running it.
 pub fn fresh(scenario: Scenario, out: &Path) -> anyhow::Result<Summary> {
-    recover(out, fresh_with(scenario, out, BTreeMap::new(), None))
+    recover(out, fresh_with(scenario, out, BTreeMap::new(), None, None))
+}
+
+/// [`fresh`], starting from a seeding stage already run for `scenario`
+/// (an experiment runs it once for both arms of a seed).
+pub fn fresh_seeded(scenario: Scenario, out: &Path, seeded: Seeded) -> anyhow::Result<Summary> {
+    recover(
+        out,
+        fresh_with(scenario, out, BTreeMap::new(), None, Some(seeded)),
+    )
 }
 
 /// While `result` is a lost node: journal it and resume from the last
@@ -83,11 +94,26 @@ fn fresh_with(
     out: &Path,
     scheduled: BTreeMap<u64, Vec<Command>>,
     last_step: Option<u64>,
+    seeded: Option<Seeded>,
 ) -> anyhow::Result<Summary> {
     let dir = RunDir::create(out)?;
     std::fs::write(dir.scenario(), scenario.to_toml())?;
     let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
     let mut league = League::new(&scenario, Rating::fresh(&TrueSkillConfig::default()));
+    let seeding = match (scenario.seeding.config(), seeded) {
+        (None, _) => None,
+        (Some(_), Some(seeded)) => Some(seeded),
+        (Some(_), None) => Some(seeding::run_stage(&scenario, &engine)?),
+    };
+    let seeding = match seeding {
+        Some(seeded) => {
+            seeding::check(&seeded, &scenario, &dir.root.join(seeding::SEEDING_FILE))?;
+            let checksum = seeding::save(&dir.root, &seeded)?;
+            league.buffers = seeded.buffers.clone();
+            Some(seeding::event(&seeded, checksum))
+        }
+        None => None,
+    };
     let mut learners = BTreeMap::new();
     for (&id, info) in &league.members {
         let adapter = Adapter::for_member(
@@ -114,6 +140,9 @@ fn fresh_with(
         scenario: scenario.name.clone(),
         members: league.entries(),
     })?;
+    if let Some(event) = seeding {
+        journal.append(&event)?;
+    }
     let metrics = Log::open(&dir.metrics(), None)?;
     let last_step = last_step.unwrap_or(scenario.steps);
     let run = Run {
@@ -334,11 +363,17 @@ pub fn replay(
     if out.exists() {
         std::fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
     }
+    // The recorded seeding stage, not a new one: its checksum is compared below.
+    let seeded = match scenario.seeding.config() {
+        Some(_) => Some(seeding::load(&root.join(seeding::SEEDING_FILE))?.0),
+        None => None,
+    };
     let summary = fresh_with(
         scenario,
         &out,
         live_commands(&recorded, |_| true),
         Some(end),
+        seeded,
     )?;
     let replayed = journal::read(&RunDir::new(&out).journal())?;
     compare(&recorded, &replayed)?;
@@ -387,8 +422,23 @@ fn step_checksums(events: &[Event]) -> Vec<(u64, &BTreeMap<String, String>)> {
         .collect()
 }
 
-/// The first step whose checksums differ, named.
+fn seeding_checksum(events: &[Event]) -> Option<&str> {
+    events.iter().find_map(|e| match e {
+        Event::Seeding { checksum, .. } => Some(checksum.as_str()),
+        _ => None,
+    })
+}
+
+/// The first step whose checksums differ, named (the seeding stage's
+/// buffers first).
 pub fn compare(recorded: &[Event], replayed: &[Event]) -> anyhow::Result<()> {
+    if seeding_checksum(recorded) != seeding_checksum(replayed) {
+        bail!(
+            "the seeding stage's buffers differ (recorded {:?}, replayed {:?})",
+            seeding_checksum(recorded),
+            seeding_checksum(replayed)
+        );
+    }
     let (a, b) = (step_checksums(recorded), step_checksums(replayed));
     for ((step, want), (_, got)) in a.iter().zip(&b) {
         for (member, sum) in *want {

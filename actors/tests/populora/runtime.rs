@@ -333,31 +333,67 @@ fn a_compute_budget_ends_the_run_where_it_is_spent_and_replays() {
         .unwrap());
 }
 
-#[test]
-fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
-    let dir = scratch("experiment");
-    std::fs::create_dir_all(&dir).unwrap();
-    let solo = std::fs::read_to_string(scenario("tiny.toml"))
+/// The experiment's files on tiny.toml: a solo copy (two proposals per
+/// kind, so its proposer's advantage groups hold two rollouts) and a
+/// forty-step population, both with a seeding stage; two seeds.
+fn experiment_files(dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let seeding = "[seeding]\nentries = 3\nbatch = 6\n\n[verifier]";
+    let tiny = std::fs::read_to_string(scenario("tiny.toml"))
         .unwrap()
-        .replace("steps = 4 ", "steps = 80 ")
+        .replace("[verifier]", seeding);
+    let solo = tiny
+        .replace("steps = 4 ", "steps = 400 ")
         .replace(
             "mode = \"population\"\nteachers = 2                  # teacher-0 → sub-population 0, teacher-1 → 1\nstudents = 2                  # student-0 → sub-population 0, student-1 → 1\nsubpopulations = 2            # teachers are solved by students of the other sub-population\nstudents_per_teacher = 1",
             "mode = \"solo\"",
         )
+        .replace("proposals_per_teacher = 1 ", "proposals_per_teacher = 2 ")
         .replace("enabled = true\n", "enabled = false\n");
     let solo = solo[..solo.find("[[events]]").unwrap()].to_string();
     std::fs::write(dir.join("solo.toml"), solo).unwrap();
-    // Eight population steps, so that one baseline step is a small share of the budget.
-    let population = std::fs::read_to_string(scenario("tiny.toml"))
-        .unwrap()
-        .replace("steps = 4 ", "steps = 8 ");
+    // Forty population steps: one member's share of them is about ten
+    // baseline steps (a baseline step costs about what a population step
+    // does), so the compute mark lands within 5 % of it.
+    let population = tiny.replace("steps = 4 ", "steps = 40 ");
     std::fs::write(dir.join("population.toml"), population).unwrap();
     let file = dir.join("e.toml");
     std::fs::write(
         &file,
-        "population = \"population.toml\"\nbaseline = \"solo.toml\"\n[eval]\nlimit = 2\nmax_new_tokens = 24\nbatch = 4\nbootstrap = 200\n",
+        "population = \"population.toml\"\nbaseline = \"solo.toml\"\nseeds = [7, 8]\n[eval]\nproblems = 4\nmax_new_tokens = 24\nbatch = 4\nbootstrap = 200\nselection = 0.5\n",
     )
     .unwrap();
+    file
+}
+
+/// `experiment.json` without its wall times (a run or evaluation done again
+/// takes another time, with the same results).
+fn results(out: &Path) -> serde_json::Value {
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                map.remove("wall_s");
+                map.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let text = std::fs::read_to_string(out.join("experiment.json")).unwrap();
+    let mut value = serde_json::from_str(&text).unwrap();
+    strip(&mut value);
+    value
+}
+
+/// The whole protocol at small size: a seeding stage per seed shared by both
+/// arms, the baseline matched two ways (its end on the population's total,
+/// its compute mark on one member's share), two seeds pooled with the
+/// seeds × problems bootstrap, and every stage continued after an
+/// interruption with the same result.
+#[test]
+fn an_experiment_seeds_runs_matches_evaluates_pools_and_resumes() {
+    let dir = scratch("experiment");
+    let file = experiment_files(&dir);
     let out = dir.join("out");
     let run = || {
         ok(populora(&[
@@ -370,79 +406,148 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
         .unwrap())
     };
     let first = run();
-    assert!(first.contains("compute: population"), "{first}");
+    assert!(first.contains("seed 7: compute: population"), "{first}");
     let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("experiment.json")).unwrap()).unwrap();
-    let (p, b) = (
-        summary["population"]["compute"]["flops"].as_f64().unwrap(),
-        summary["baseline"]["compute"]["flops"].as_f64().unwrap(),
-    );
-    assert!((b - p).abs() <= 0.05 * p, "population {p}, baseline {b}");
-    let benchmarks = summary["benchmarks"].as_array().unwrap();
-    let names: Vec<&str> = benchmarks
-        .iter()
-        .map(|b| b["benchmark"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        names,
-        ["humaneval", "humaneval-io-output", "humaneval-io-input"]
-    );
-    for b in benchmarks {
-        assert_eq!(b["members"].as_array().unwrap().len(), 4, "{b}");
-        assert!(
-            b["mean_minus_baseline"]["resamples"].as_u64() == Some(200),
-            "{b}"
-        );
-        assert!(b["base_model"].is_number(), "{b}");
+        serde_json::from_str(&std::fs::read_to_string(out.join("experiment.json")).unwrap())
+            .unwrap();
+    // Seeding: one stage per seed, both arms started from it.
+    for seed in [7, 8] {
+        let seed_dir = out.join(format!("seed-{seed}"));
+        let stage = std::fs::read(seed_dir.join("seeding.json")).unwrap();
+        for arm in ["population", "baseline"] {
+            assert_eq!(
+                std::fs::read(seed_dir.join(arm).join("seeding.json")).unwrap(),
+                stage,
+                "seed {seed} {arm}"
+            );
+            assert!(journal(&seed_dir.join(arm)).contains(r#""event":"seeding""#));
+        }
     }
+    // Matching: the baseline's end on the whole population's compute, its
+    // mark on one member's share, both within 5 %.
+    let seeds = summary["seeds"].as_array().unwrap();
+    assert_eq!(seeds.len(), 2);
+    for s in seeds {
+        let (p, b) = (
+            s["population"]["compute"]["flops"].as_f64().unwrap(),
+            s["baseline"]["compute"]["flops"].as_f64().unwrap(),
+        );
+        assert!((b - p).abs() <= 0.05 * p, "population {p}, baseline {b}");
+        let mark = &s["mark"];
+        let target = mark["target_tflop"].as_f64().unwrap();
+        assert!((target * 4.0 * 1e12 - p).abs() <= 1e-6 * p, "{mark}");
+        let spent = mark["spent_tflop"].as_f64().unwrap();
+        assert!((spent - target).abs() <= 0.05 * target, "{mark}");
+        assert!(s["seeding"]["compute"]["flops"].as_f64().unwrap() > 0.0);
+    }
+    // Statistics: every benchmark under both matchings, a row per seed,
+    // five pooled differences with the seeds × problems bootstrap.
+    let comparisons = summary["comparisons"].as_array().unwrap();
+    let keys: Vec<(String, String)> = comparisons
+        .iter()
+        .map(|c| (c["benchmark"].to_string(), c["matching"].to_string()))
+        .collect();
+    assert_eq!(keys.len(), 6, "{keys:?}");
+    for c in comparisons {
+        assert_eq!(c["per_seed"].as_array().unwrap().len(), 2, "{c}");
+        assert_eq!(c["distinct_seed_draws"], 3);
+        let differences = c["differences"].as_array().unwrap();
+        assert_eq!(differences.len(), 5, "{c}");
+        assert!(differences
+            .iter()
+            .all(|d| d["difference"]["resamples"].as_u64() == Some(200)));
+    }
+    let mut problems: Vec<&str> = Vec::new();
+    let items = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
+    for line in items.lines() {
+        let id = line.split(r#""task_id":""#).nth(1).unwrap();
+        let id = &id[..id.find('"').unwrap()];
+        if !problems.contains(&id) {
+            problems.push(id);
+        }
+    }
+    let selected = summary["selection"].as_array().unwrap().len();
+    let reported = summary["report_problems"].as_u64().unwrap() as usize;
+    assert!(selected >= 1 && reported >= 1 && selected + reported == problems.len());
     let page = std::fs::read_to_string(out.join("report/index.html")).unwrap();
     assert!(
-        page.contains("mean − baseline") && page.contains("../population/report/solve_rate.svg")
+        page.contains("Baseline matched per adapter")
+            && page.contains("../seed-7/population/report/solve_rate.svg"),
     );
-    assert!(out.join("population/report/index.html").exists());
-    // Every answer is on record, for every row.
-    let items = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
-    assert_eq!(items.lines().count(), 3 * 2 * (4 + 1 + 1));
-    assert!(
-        items.contains(r#""member":"base model""#)
-            && items.contains(r#""member":"baseline/solo-0""#)
-    );
-    // Run again: every stage is done, nothing is redone, the result is the same.
-    let before = std::fs::read(out.join("experiment.json")).unwrap();
-    let journal_before = journal(&out.join("baseline"));
-    run();
-    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
-    assert_eq!(journal(&out.join("baseline")), journal_before);
-    // An interrupted evaluation is redone; the comparison comes out the same.
-    std::fs::remove_file(out.join("eval/items.jsonl")).unwrap();
-    run();
-    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
-    // One interrupted in HumanEval's third batch of four answers keeps the
-    // first two (marked here) and answers the rest as before.
-    std::fs::remove_file(out.join("eval/items.jsonl")).unwrap();
-    let humaneval: Vec<&str> = items
+    // Every answer is on record, for every row: 2 seeds × (4 members, the
+    // baseline at its mark and at its end), and the base model once.
+    let rows = 2 * (4 + 1 + 1) + 1;
+    assert_eq!(items.lines().count() % rows, 0);
+    let humaneval = items
         .lines()
-        .filter(|l| l.contains(r#""benchmark":"humaneval""#))
-        .collect();
-    let marked = humaneval[0].replacen(r#""response":""#, r#""response":"KEPT "#, 1);
-    let progress = [marked.as_str()]
-        .into_iter()
-        .chain(humaneval[1..10].iter().copied())
-        .collect::<Vec<_>>()
-        .join("\n")
-        + "\n{\"benchmark\":\"hum";
-    std::fs::write(out.join("eval/progress-humaneval.jsonl"), progress).unwrap();
+        .filter(|l| l.contains(r#""benchmark":"humaneval""#));
+    assert_eq!(humaneval.count(), 4 * rows);
+    assert_eq!(summary["subset"].as_array().unwrap().len(), 4);
+    for row in [
+        "base model",
+        "seed-8/baseline/solo-0",
+        "seed-8/baseline-per-adapter/solo-0",
+    ] {
+        assert!(items.contains(&format!(r#""member":"{row}""#)), "{row}");
+    }
+    for seed in [7, 8] {
+        let mut members: Vec<&str> = items
+            .lines()
+            .filter_map(|l| l.split(r#""member":""#).nth(1))
+            .map(|m| &m[..m.find('"').unwrap()])
+            .filter(|m| m.starts_with(&format!("seed-{seed}/")) && !m.contains("baseline"))
+            .collect();
+        members.sort_unstable();
+        members.dedup();
+        assert_eq!(members.len(), 4, "{members:?}");
+    }
+    // Run again: every stage is done, nothing is redone, the result is the same.
+    let before = results(&out);
+    let journal_before = journal(&out.join("seed-8/baseline"));
     run();
-    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
-    let resumed = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
-    assert_eq!(resumed, items.replacen(humaneval[0], &marked, 1));
-    assert!(!out.join("eval/progress-humaneval.jsonl").exists());
+    assert_eq!(results(&out), before);
+    assert_eq!(journal(&out.join("seed-8/baseline")), journal_before);
+    // A baseline that crashed just after its mark's checkpoint resumes and
+    // ends as it did; an evaluation cut short is redone with the same answers.
+    let lines: Vec<&str> = journal_before.lines().collect();
+    let mark_at = lines
+        .iter()
+        .position(|l| l.contains(r#""event":"compute_mark""#))
+        .expect("a compute mark");
+    assert!(lines[mark_at + 1].contains(r#""event":"checkpoint""#));
+    let crashed = lines[..mark_at + 2].join("\n") + "\n";
+    std::fs::write(out.join("seed-8/baseline/journal.jsonl"), crashed).unwrap();
+    let mark_step: u64 = lines[mark_at]
+        .split(r#""step":"#)
+        .nth(1)
+        .unwrap()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    for entry in std::fs::read_dir(out.join("seed-8/baseline/checkpoints")).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let step: u64 = name.trim_start_matches("step-").parse().unwrap();
+        if step > mark_step {
+            std::fs::remove_dir_all(&path).unwrap();
+        }
+    }
+    std::fs::remove_file(out.join("eval/items.jsonl")).unwrap();
+    run();
+    let end = |text: &str| text.lines().last().unwrap().to_string();
+    assert_eq!(
+        end(&journal(&out.join("seed-8/baseline"))),
+        end(&journal_before)
+    );
+    assert_eq!(results(&out), before);
     // A file that differs in its comments only continues the experiment;
     // one with other settings is refused in the same directory.
     let text = std::fs::read_to_string(&file).unwrap();
     std::fs::write(&file, format!("# commented\n{text}")).unwrap();
     run();
-    assert_eq!(std::fs::read(out.join("experiment.json")).unwrap(), before);
+    assert_eq!(results(&out), before);
     let other = dir.join("other.toml");
     std::fs::write(&other, text.replace("bootstrap = 200", "bootstrap = 300")).unwrap();
     let refused = populora(&[
