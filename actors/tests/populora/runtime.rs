@@ -418,6 +418,12 @@ fn an_experiment_runs_matches_compute_evaluates_and_resumes() {
             "mode = \"population\"\nteachers = 2                  # teacher-0 → sub-population 0, teacher-1 → 1\nstudents = 2                  # student-0 → sub-population 0, student-1 → 1\nsubpopulations = 2            # teachers are solved by students of the other sub-population\nstudents_per_teacher = 1",
             "mode = \"solo\"",
         )
+        // One proposal per kind would leave the solo proposer's advantage
+        // groups one rollout each (refused in solo mode).
+        .replace(
+            "proposals_per_teacher = 1 ",
+            "proposals_per_teacher = 2 ",
+        )
         .replace("enabled = true\n", "enabled = false\n");
     let solo = solo[..solo.find("[[events]]").unwrap()].to_string();
     std::fs::write(dir.join("solo.toml"), solo).unwrap();
