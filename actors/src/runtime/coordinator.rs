@@ -766,6 +766,7 @@ async fn add_member(state: &mut State, s: u64, part: Role, child: Newborn) -> St
         parents: child.parents,
         operators: child.operators,
         node: state.sites.node_of(id).map(str::to_string),
+        optimizer: Some(child.optimizer),
     })
 }
 
