@@ -65,7 +65,7 @@ pub(super) fn run(
                 let leading = stack.parent_svd(fit)?.core(0..keep);
                 let trailing = stack.parent_svd(other)?.core(keep..rank);
                 let svd = stack.svd_of_core((leading + trailing).as_ref())?;
-                Ok(stack.canonical_factors(&svd, rng))
+                Ok(stack.child_factors(&svd, rng))
             })?
         }
         "dare" => {
@@ -124,7 +124,7 @@ pub(super) fn run(
 fn weighted_sum(parents: &[&Adapter], weights: Vec<f64>, rng: &mut impl Rng) -> Result<Adapter> {
     map_modules(parents, rng, |_, stack, rng| {
         let svd = stack.svd_of_core(stack.weighted_core(&weights).as_ref())?;
-        Ok(stack.canonical_factors(&svd, rng))
+        Ok(stack.child_factors(&svd, rng))
     })
 }
 
@@ -138,7 +138,7 @@ fn merge_coordinates(
     let joint = stack.joint_coordinates()?;
     let merged = merge(&joint.coordinates, rng);
     let svd = stack.svd_of_core(joint.core(merged.as_ref()).as_ref())?;
-    Ok(stack.canonical_factors(&svd, rng))
+    Ok(stack.child_factors(&svd, rng))
 }
 
 /// DARE: each coordinate of each parent survives with probability 1 − drop and

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use faer::{Mat, MatRef};
 
+use super::lowrank::A_ROW_NORM;
 use super::{mats_to_module, stacked_factors, standard_normal, Error, Result};
 use crate::lora::{LoraModule, ModuleKey};
 
@@ -27,7 +28,7 @@ pub enum Truncation {
 }
 
 /// Rank-`rank` approximation of `Σ wᵢ·Bᵢ·Aᵢ` through the dense matrix, in
-/// canonical form (B = U·S^½, Aᵀ = V·S^½). Also returns the seconds spent
+/// the children's canonical form (B = U·S/c, Aᵀ = V·c, c = [`A_ROW_NORM`]). Also returns the seconds spent
 /// after the factors were read (forming ΔW included).
 pub fn weighted_sum_module(
     key: &ModuleKey,
@@ -62,8 +63,8 @@ pub fn weighted_sum_module(
             (&q * svd.U(), s, svd.V().to_owned())
         }
     };
-    let b = Mat::from_fn(out, rank, |i, j| u[(i, j)] * s[j].sqrt());
-    let at = Mat::from_fn(fan_in, rank, |i, j| v[(i, j)] * s[j].sqrt());
+    let b = Mat::from_fn(out, rank, |i, j| u[(i, j)] * s[j] / A_ROW_NORM);
+    let at = Mat::from_fn(fan_in, rank, |i, j| v[(i, j)] * A_ROW_NORM);
     let seconds = started.elapsed().as_secs_f64();
     let device = modules[0].b.as_tensor().device();
     Ok((mats_to_module(key, &b, &at, device)?, seconds))

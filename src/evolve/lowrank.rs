@@ -32,6 +32,15 @@ pub const GRAM_RELATIVE_CUTOFF: f64 = 1e-13;
 /// treated as zero and their slot is re-initialised (default 1e-10).
 pub const SINGULAR_RELATIVE_CUTOFF: f64 = 1e-10;
 
+/// The norm of every row of a child's A: that of a Kaiming-uniform row at
+/// initialisation in expectation (entries U(−1/√in, 1/√in) have variance
+/// 1/(3·in), so ‖row‖² = 1/3 whatever `in`). Under Adam, ΔW moves at a speed
+/// set by the factors' scale (dΔW ≈ dB·A while B is small), so a child whose
+/// A keeps this scale learns as fast as a fresh adapter or a young parent;
+/// the balanced split U·S^½, S^½·Vᵀ shrank A with √σ and slowed young
+/// offspring several times over.
+pub const A_ROW_NORM: f64 = 0.577_350_269_189_625_8;
+
 /// One side (B or Aᵀ) of a stack: the tall factor and an orthonormal basis of
 /// its column space expressed through it (`x · basis` has orthonormal columns
 /// and `x = (x · basis) · root`).
@@ -242,7 +251,7 @@ impl Stack {
     }
 
     /// Coordinates of the parents' updates in one shared orthonormal basis of
-    /// their canonical factors, plus the map back to a core. The basis depends
+    /// their balanced factors (U·S^½, V·S^½), plus the map back to a core. The basis depends
     /// on the parents' ΔW only (not on how each was factored), so elementwise
     /// operators (DARE, TIES) behave the same for `(B·M, M⁻¹·A)` as for `(B, A)`.
     pub fn joint_coordinates(&self) -> Result<JointCoordinates, Error> {
@@ -250,22 +259,22 @@ impl Stack {
             .map(|i| self.parent_svd(i))
             .collect::<Result<Vec<_>, _>>()?;
         let k = self.width();
-        // Canonical stack: parent i's block becomes U_i·S_i^½ (and V_i·S_i^½).
-        let mut to_canonical_b = Mat::zeros(k, k);
-        let mut to_canonical_a = Mat::zeros(k, k);
+        // Balanced stack: parent i's block becomes U_i·S_i^½ (and V_i·S_i^½).
+        let mut to_balanced_b = Mat::zeros(k, k);
+        let mut to_balanced_a = Mat::zeros(k, k);
         for (i, svd) in svds.iter().enumerate() {
             for j in 0..self.rank {
                 let root = svd.s[j].sqrt();
                 for r in 0..k {
-                    to_canonical_b[(r, i * self.rank + j)] = svd.p[(r, j)] * root;
-                    to_canonical_a[(r, i * self.rank + j)] = svd.q[(r, j)] * root;
+                    to_balanced_b[(r, i * self.rank + j)] = svd.p[(r, j)] * root;
+                    to_balanced_a[(r, i * self.rank + j)] = svd.q[(r, j)] * root;
                 }
             }
         }
-        let gram_b = to_canonical_b.transpose() * &self.b.gram * &to_canonical_b;
-        let gram_a = to_canonical_a.transpose() * &self.a.gram * &to_canonical_a;
-        let (basis_b, root_b) = gram_basis(gram_b.as_ref(), "canonical B")?;
-        let (basis_a, root_a) = gram_basis(gram_a.as_ref(), "canonical A")?;
+        let gram_b = to_balanced_b.transpose() * &self.b.gram * &to_balanced_b;
+        let gram_a = to_balanced_a.transpose() * &self.a.gram * &to_balanced_a;
+        let (basis_b, root_b) = gram_basis(gram_b.as_ref(), "balanced B")?;
+        let (basis_a, root_a) = gram_basis(gram_a.as_ref(), "balanced A")?;
         let coordinates = (0..self.parents)
             .map(|i| {
                 let block = self.parent_core(i, 1.0);
@@ -274,15 +283,16 @@ impl Stack {
             .collect();
         Ok(JointCoordinates {
             coordinates,
-            to_core_left: &to_canonical_b * basis_b,
-            to_core_right: &to_canonical_a * basis_a,
+            to_core_left: &to_balanced_b * basis_b,
+            to_core_right: &to_balanced_a * basis_a,
         })
     }
 
     /// The child's factors: B (out×r) and Aᵀ (in×r) for the SVD `svd`, with
-    /// column j of B scaled by `b_scale[j]` and of Aᵀ by `a_scale[j]` (both √s for
-    /// the canonical split). Slots with a zero singular value get B = 0 and a
-    /// fresh Kaiming-uniform A row from `rng`, so that they can still learn.
+    /// column j of B scaled by `b_scale[j]` and of Aᵀ by `a_scale[j]`
+    /// (`s/A_ROW_NORM` and `A_ROW_NORM` for the child split, both √s for the
+    /// balanced one). Slots with a zero singular value get B = 0 and a fresh
+    /// Kaiming-uniform A row from `rng`, so that they can still learn.
     pub fn factors(
         &self,
         svd: &StackSvd,
@@ -318,8 +328,17 @@ impl Stack {
         (b, at)
     }
 
-    /// Canonical factors of `svd`: B = U·S^½, Aᵀ = V·S^½.
-    pub fn canonical_factors(&self, svd: &StackSvd, rng: &mut impl Rng) -> (Mat<f64>, Mat<f64>) {
+    /// The split every child is written in: B = U·S/c, Aᵀ = V·c with
+    /// c = [`A_ROW_NORM`], so A's rows are orthogonal at their initial scale
+    /// whatever ΔW's size (any split B·A = ΔW is the same adapter).
+    pub fn child_factors(&self, svd: &StackSvd, rng: &mut impl Rng) -> (Mat<f64>, Mat<f64>) {
+        let b_scale: Vec<f64> = svd.s.iter().map(|s| s / A_ROW_NORM).collect();
+        self.factors(svd, &b_scale, &vec![A_ROW_NORM; svd.rank()], rng)
+    }
+
+    /// The balanced split: B = U·S^½, Aᵀ = V·S^½. Only the frame in which the
+    /// elementwise mutations define their noise; children are not written in it.
+    pub fn balanced_factors(&self, svd: &StackSvd, rng: &mut impl Rng) -> (Mat<f64>, Mat<f64>) {
         let roots: Vec<f64> = svd.s.iter().map(|s| s.sqrt()).collect();
         self.factors(svd, &roots, &roots, rng)
     }

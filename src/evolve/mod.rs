@@ -6,9 +6,13 @@
 //! averaging factors mixes unrelated bases. The machinery ([`lowrank`]) holds the
 //! parents' factors side by side and reduces everything to small K×K matrices
 //! (K = parents × r): one Gram product per side in, one product per side out, in
-//! f64. The child is written in canonical form, B = U·S^½, A = S^½·Vᵀ with U, V
+//! f64. The child is written in canonical form, B = U·S/c, A = c·Vᵀ with U, V
 //! the singular vectors of its ΔW (signed so that the sum of entries of uⱼ and vⱼ
-//! is positive), has the parents' rank and target modules, and is never NaN/Inf.
+//! is positive) and c = [`lowrank::A_ROW_NORM`], the norm of a Kaiming-uniform
+//! row: A keeps its initial scale, so that under Adam an offspring's ΔW moves
+//! as fast as its parent's (the balanced split B = U·S^½, A = S^½·Vᵀ shrinks a
+//! young adapter's A with √σ and slows it several times over; DESIGN.md §6).
+//! The child has the parents' rank and target modules and is never NaN/Inf.
 //! Directions that end up with a zero singular value (zero parents, cancelling
 //! parents) keep B = 0 and get a fresh Kaiming-uniform A row, as at
 //! initialisation, so that they can learn again.
@@ -17,7 +21,7 @@
 //! dense out×in ΔW of every module and a full SVD to get back to rank r (the
 //! dense path that `populora bench evolve` measures). Here they act on the
 //! coordinates of each parent's ΔW in one shared orthonormal basis of the
-//! parents' column and row spaces (the canonical factors of all parents, stacked,
+//! parents' column and row spaces (the balanced factors U·S^½, V·S^½ of all parents, stacked,
 //! orthonormalised): a 2r×2r matrix per parent and module, the smallest space in
 //! which all parents live. That keeps them rank-r, O(r²) per module after the
 //! Gram pass, and invariant under re-factorisation; the price is that "an
@@ -151,14 +155,15 @@ pub fn offspring(
     Ok((child, vec![first, second]))
 }
 
-/// The same adapter (same ΔW per module) in canonical form: B = U·S^½,
-/// A = S^½·Vᵀ. Zero directions are re-initialised from a fixed stream.
+/// The same adapter (same ΔW per module) in canonical form, the one every
+/// offspring is written in: B = U·S/c, A = c·Vᵀ, c = [`lowrank::A_ROW_NORM`].
+/// Zero directions are re-initialised from a fixed stream.
 pub fn canonicalize(adapter: &Adapter) -> Result<Adapter> {
     check_parents(&[adapter])?;
     let mut rng = crate::rng::stream(0, &["evolve-canonical".into()]);
     map_modules(&[adapter], &mut rng, |_, stack, module_rng| {
         let svd = stack.parent_svd(0)?;
-        Ok(stack.canonical_factors(&svd, module_rng))
+        Ok(stack.child_factors(&svd, module_rng))
     })
 }
 

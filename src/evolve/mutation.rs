@@ -1,16 +1,18 @@
 //! Mutations: one adapter in, one perturbed adapter of the same rank out.
 //!
-//! Every mutation starts from the canonical SVD of each module's ΔW, so the
-//! noise means the same thing however the parent happened to be factored.
-//! `svd_noise` and `mask` act only on the r×r singular structure; `gaussian`,
-//! `layer_gaussian` and `neftune` add elementwise noise to the canonical factors.
+//! Every mutation starts from the SVD of each module's ΔW, so the noise means
+//! the same thing however the parent happened to be factored. `svd_noise` and
+//! `mask` act only on the r×r singular structure; `gaussian`, `layer_gaussian`
+//! and `neftune` add elementwise noise to the balanced factors U·S^½, V·S^½
+//! (the frame their strength is defined in), and the noisy ΔW is then written
+//! in the child split like every other child's (see [`super::lowrank::A_ROW_NORM`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use faer::Mat;
 use rand::Rng;
 
-use super::lowrank::{Stack, StackSvd};
+use super::lowrank::{Stack, StackSvd, A_ROW_NORM};
 use super::spec::{LineageRecord, OperatorKind, Resolved};
 use super::{map_modules, standard_normal, Error, Result};
 use crate::lora::Adapter;
@@ -27,25 +29,28 @@ pub(super) fn run(
             map_modules(&[adapter], rng, |_, stack, rng| {
                 let mut svd = stack.parent_svd(0)?;
                 perturb_spectrum(&mut svd, sigma, angle, rng);
-                Ok(stack.canonical_factors(&svd, rng))
+                Ok(stack.child_factors(&svd, rng))
             })?
         }
         "mask" => {
             let fraction = resolved.get("fraction");
             map_modules(&[adapter], rng, |_, stack, rng| {
                 let svd = stack.parent_svd(0)?;
-                let roots: Vec<f64> = svd.s.iter().map(|s| s.sqrt()).collect();
-                let b_scale: Vec<f64> = roots
+                // Masked directions keep their A row (alive, at its usual
+                // scale) and lose their B column, as at initialisation.
+                let b_scale: Vec<f64> = svd
+                    .s
                     .iter()
-                    .map(|&root| {
+                    .map(|&s| {
                         if rng.random::<f64>() < fraction {
                             0.0
                         } else {
-                            root
+                            s / A_ROW_NORM
                         }
                     })
                     .collect();
-                Ok(stack.factors(&svd, &b_scale, &roots, rng))
+                let a_scale = vec![A_ROW_NORM; svd.rank()];
+                Ok(stack.factors(&svd, &b_scale, &a_scale, rng))
             })?
         }
         "gaussian" => {
@@ -169,8 +174,11 @@ fn pick_layers(adapter: &Adapter, fraction: f64, rng: &mut impl Rng) -> BTreeSet
     layers.into_iter().take(count).collect()
 }
 
-/// Canonical factors plus elementwise noise on the modules of the selected
-/// layers: `x += noise(rng, numel) × std(x)`, std over the factor's elements.
+/// Elementwise noise on the balanced factors of the modules of the selected
+/// layers, `x += noise(rng, numel) × std(x)` with std over the factor's
+/// elements, then the noisy ΔW = B·A in the child split (one more Gram pass
+/// per side: the noise's meaning stays that of the balanced split, the child's
+/// A its initial scale). Other modules keep their ΔW.
 fn noisy_factors(
     adapter: &Adapter,
     rng: &mut impl Rng,
@@ -179,12 +187,14 @@ fn noisy_factors(
 ) -> Result<Adapter> {
     map_modules(&[adapter], rng, |key, stack: &Stack, rng| {
         let svd = stack.parent_svd(0)?;
-        let (mut b, mut at) = stack.canonical_factors(&svd, rng);
-        if selected(key.layer) {
-            add_noise(&mut b, rng, &noise);
-            add_noise(&mut at, rng, &noise);
+        if !selected(key.layer) {
+            return Ok(stack.child_factors(&svd, rng));
         }
-        Ok((b, at))
+        let (mut b, mut at) = stack.balanced_factors(&svd, rng);
+        add_noise(&mut b, rng, &noise);
+        add_noise(&mut at, rng, &noise);
+        let noisy = Stack::new(b, at, stack.rank, 1)?;
+        Ok(noisy.child_factors(&noisy.parent_svd(0)?, rng))
     })
 }
 

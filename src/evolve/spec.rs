@@ -104,7 +104,7 @@ const OPERATORS: &[OperatorInfo] = &[
     OperatorInfo {
         name: "layer_gaussian",
         kind: OperatorKind::Mutation,
-        doc: "Gaussian noise, scaled to each factor's std, on the canonical factors of a random subset of layers",
+        doc: "Gaussian noise, scaled to each factor's std, on the balanced factors (U·S^½, V·S^½) of a random subset of layers",
         params: &[
             param("fraction", 0.25, 0.0, 1.0, "fraction of layers that get noise (rounded up; 0 picks none)"),
             param("sigma", 0.05, 0.0, 10.0, "noise std in units of each factor's element std"),
@@ -119,13 +119,13 @@ const OPERATORS: &[OperatorInfo] = &[
     OperatorInfo {
         name: "gaussian",
         kind: OperatorKind::Mutation,
-        doc: "Gaussian noise on every canonical factor, scaled to that factor's element std",
+        doc: "Gaussian noise on every balanced factor (U·S^½, V·S^½), scaled to that factor's element std",
         params: &[param("sigma", 0.02, 0.0, 10.0, "noise std in units of each factor's element std")],
     },
     OperatorInfo {
         name: "neftune",
         kind: OperatorKind::Mutation,
-        doc: "NEFTune-style uniform noise U(-1,1)·alpha/√(numel)·std on every canonical factor (NEFTune's alpha/√(L·d) with the factor's element count for L·d, in units of the factor's element std)",
+        doc: "NEFTune-style uniform noise U(-1,1)·alpha/√(numel)·std on every balanced factor (U·S^½, V·S^½; NEFTune's alpha/√(L·d) with the factor's element count for L·d, in units of the factor's element std)",
         params: &[param("alpha", 5.0, 0.0, 1e6, "NEFTune's alpha")],
     },
     OperatorInfo {

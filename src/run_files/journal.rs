@@ -58,6 +58,11 @@ pub enum Event {
         /// The worker node it runs on (absent when members run in the `run` process).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         node: Option<String>,
+        /// Where its AdamW state came from: `reset`, or `inherited from
+        /// <parent>` (`evolution.optimizer = "inherit"` and a child whose
+        /// factors are that parent's). Absent in runs recorded before it was.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        optimizer: Option<String>,
     },
     /// A member removed by evolution.
     Cull { step: u64, id: String, fitness: f64 },

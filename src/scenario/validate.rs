@@ -262,6 +262,7 @@ pub(super) fn validate(
     lora(&v, scenario)?;
     population(&v, scenario)?;
     selfplay(&v, scenario)?;
+    advantage_groups(&v, scenario)?;
     rewards_and_training(&v, scenario)?;
     evolution(&v, scenario, check)?;
     let verifier = &scenario.verifier;
@@ -549,6 +550,47 @@ fn selfplay(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
         )?;
     }
     Ok(())
+}
+
+/// TRR++ normalises rewards within each (task kind × role) group of a step's
+/// batch, so a group that can only ever hold one rollout has advantage 0 at
+/// every step: that role never learns on that kind. Per step and task kind,
+/// the proposer group holds exactly proposers × `proposals_per_teacher`
+/// rollouts (proposers: the teachers, or the solo member); the solver group
+/// holds up to as many problems × solvers per problem × `solver_samples`,
+/// never fewer than the proposer group can, so one rule covers both. (In
+/// population mode the earlier checks give at least two teachers.)
+fn advantage_groups(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
+    let key = "selfplay.proposals_per_teacher";
+    let per_teacher = s.selfplay.proposals_per_teacher;
+    let (proposers, setting, allowed) = match s.population.mode {
+        Mode::Solo => (
+            1,
+            ("population.mode", "\"solo\"".to_string()),
+            format!("{key} = 2.. in solo mode"),
+        ),
+        Mode::Population => {
+            let teachers = s.population.teachers;
+            (
+                teachers,
+                ("population.teachers", teachers.to_string()),
+                format!("population.teachers × {key} >= 2"),
+            )
+        }
+    };
+    if proposers * per_teacher >= 2 {
+        return Ok(());
+    }
+    let (other, value) = setting;
+    // Point at the line to change: the key, or where the mode is set when
+    // the key is left at its default.
+    let at = if v.given(key) { key } else { other };
+    Err(v.fail(
+        at,
+        format!(
+            "{key} = {per_teacher} with {other} = {value} leaves each proposer advantage group (task kind × proposer) one rollout per step, so its TRR++ advantage is always 0 and the proposer never learns (allowed: {allowed})"
+        ),
+    ))
 }
 
 /// With structured decoding, every reply's grammar must close within

@@ -6,9 +6,10 @@ use candle_core::{Device, Tensor, Var};
 use faer::linalg::solvers::DenseSolveCore;
 use faer::Mat;
 use populora::base::{Arch, ModelConfig};
+use populora::evolve::lowrank::A_ROW_NORM;
 use populora::evolve::{self, OperatorKind, OperatorSpec};
 use populora::keyed_stream;
-use populora::lora::{Adapter, LoraConfig, LoraModule};
+use populora::lora::{AdamW, AdamWConfig, Adapter, AdapterGrads, LoraConfig, LoraModule};
 use rand::Rng;
 
 const RANK: usize = 4;
@@ -222,8 +223,10 @@ fn canonical_form_keeps_delta_w_and_balances_factors() {
         "{}",
         relative_gap(&canonical, &parent)
     );
+    let c2 = A_ROW_NORM * A_ROW_NORM;
     for m in canonical.modules.values() {
-        // B = U·S^½, A = S^½·Vᵀ: BᵀB = A·Aᵀ = S, diagonal, decreasing.
+        // B = U·S/c, A = c·Vᵀ: A·Aᵀ = c²·I (orthogonal rows at the norm of a
+        // Kaiming-uniform row), BᵀB = S²/c², diagonal, decreasing.
         let b = to_mat(m.b.as_tensor());
         let a = to_mat(m.a.as_tensor());
         let btb = b.transpose() * &b;
@@ -231,7 +234,8 @@ fn canonical_form_keeps_delta_w_and_balances_factors() {
         let scale = btb[(0, 0)];
         for i in 0..RANK {
             for j in 0..RANK {
-                assert!((btb[(i, j)] - aat[(i, j)]).abs() < 1e-5 * scale);
+                let identity = if i == j { c2 } else { 0.0 };
+                assert!((aat[(i, j)] - identity).abs() < 1e-5 * c2);
                 if i != j {
                     assert!(btb[(i, j)].abs() < 1e-5 * scale);
                 }
@@ -706,4 +710,149 @@ fn children_save_and_load_like_any_adapter() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(loaded_base, base);
     assert_eq!(loaded.checksum().unwrap(), child.checksum().unwrap());
+}
+
+/// A young adapter: A Kaiming-uniform, as `Adapter::new` makes it, and B
+/// small, as after a few updates.
+fn young_adapter(seed: u64) -> Adapter {
+    let mut rng = keyed_stream!(seed, "evolve-test-young");
+    let config = LoraConfig {
+        rank: RANK,
+        ..LoraConfig::default()
+    };
+    let mut adapter = Adapter::new(config, &model(), &mut rng, &Device::Cpu).unwrap();
+    for module in adapter.modules.values_mut() {
+        let (out, r) = module.b.as_tensor().dims2().unwrap();
+        let b = (0..out * r)
+            .map(|_| rng.random_range(-1e-3f32..1e-3))
+            .collect();
+        module.b = var(b, out, r);
+    }
+    adapter
+}
+
+/// How far ΔW moves, summed over modules (‖ΔW_after − ΔW_before‖_F), in
+/// `steps` AdamW steps on a copy of `adapter` under the loss Σ ⟨G, B·A⟩ with
+/// one fixed random G per module, the same for every adapter: the gradients
+/// are dB = G·Aᵀ and dA = Bᵀ·G at the current factors.
+fn delta_w_moved(adapter: &Adapter, steps: usize) -> f64 {
+    let adapter = adapter.deep_copy().unwrap();
+    let directions: Vec<Tensor> = adapter
+        .modules
+        .iter()
+        .map(|(key, m)| {
+            let mut rng = keyed_stream!(
+                1,
+                "evolve-test-direction",
+                key.layer as u64,
+                key.target.hf_name()
+            );
+            let (out, fan_in) = (
+                m.b.as_tensor().dim(0).unwrap(),
+                m.a.as_tensor().dim(1).unwrap(),
+            );
+            let g: Vec<f32> = (0..out * fan_in)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            Tensor::from_vec(g, (out, fan_in), &Device::Cpu).unwrap()
+        })
+        .collect();
+    let before: Vec<Mat<f64>> = adapter.modules.values().map(delta).collect();
+    let mut optimizer = AdamW::new(AdamWConfig {
+        lr: 1e-3,
+        ..AdamWConfig::default()
+    });
+    for _ in 0..steps {
+        let grads: AdapterGrads = adapter
+            .modules
+            .iter()
+            .zip(&directions)
+            .map(|((key, m), g)| {
+                let (a, b) = (m.a.as_tensor(), m.b.as_tensor());
+                let d_a = b.t().unwrap().matmul(g).unwrap();
+                let d_b = g.matmul(&a.t().unwrap()).unwrap();
+                (*key, (d_a, d_b))
+            })
+            .collect();
+        optimizer.step(&adapter, &grads).unwrap();
+    }
+    adapter
+        .modules
+        .values()
+        .zip(&before)
+        .map(|(m, b)| frobenius(&(&delta(m) - b)))
+        .sum()
+}
+
+/// Median over modules of ‖A_child‖_F / ‖A_parent‖_F.
+fn a_norm_ratio(child: &Adapter, parent: &Adapter) -> f64 {
+    let mut ratios: Vec<f64> = child
+        .modules
+        .iter()
+        .map(|(key, m)| {
+            frobenius(&to_mat(m.a.as_tensor()))
+                / frobenius(&to_mat(parent.modules[key].a.as_tensor()))
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    ratios[ratios.len() / 2]
+}
+
+/// DESIGN.md §6, "Scale of the canonical split": an offspring of young
+/// parents keeps A at its initial scale, so that under the same gradients its
+/// ΔW moves about as fast as its parent's. The balanced split B = U·S^½,
+/// A = S^½·Vᵀ shrank A to about a tenth here and ΔW moved about ten times
+/// slower.
+#[test]
+fn offspring_learn_as_fast_as_their_parents() {
+    let (p1, p2) = (young_adapter(1), young_adapter(2));
+    let identity = OperatorSpec::new("svd_noise")
+        .with("sigma", 0.0)
+        .with("angle", 0.0);
+    let children = [
+        ("svd_noise of strength 0", mutate(&identity, &p1, 3)),
+        (
+            "average",
+            cross(&OperatorSpec::new("average"), &[&p1, &p2], &[], 3),
+        ),
+        ("gaussian", mutate(&OperatorSpec::new("gaussian"), &p1, 3)),
+    ];
+    let steps = 5;
+    let parent = delta_w_moved(&p1, steps);
+    for (what, child) in &children {
+        let a = a_norm_ratio(child, &p1);
+        let speed = delta_w_moved(child, steps) / parent;
+        eprintln!("{what}: ‖A‖ child/parent {a:.3}, ΔW moved child/parent {speed:.3}");
+        assert!(
+            (0.5..=2.0).contains(&a),
+            "{what}: A at {a:.3} of the parent's"
+        );
+        assert!(
+            (0.5..=2.0).contains(&speed),
+            "{what}: ΔW moves {speed:.3} times as fast as the parent's"
+        );
+    }
+    assert!(relative_gap(&children[0].1, &p1) < 1e-5);
+    // A child whose ΔW is zero (fresh parents, B = 0) has fresh Kaiming rows.
+    let fresh = |seed| {
+        let config = LoraConfig {
+            rank: RANK,
+            ..LoraConfig::default()
+        };
+        Adapter::new(
+            config,
+            &model(),
+            &mut keyed_stream!(seed, "fresh"),
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    let (f1, f2) = (fresh(1), fresh(2));
+    let child = cross(&OperatorSpec::new("average"), &[&f1, &f2], &[], 3);
+    let a = a_norm_ratio(&child, &f1);
+    let speed = delta_w_moved(&child, steps) / delta_w_moved(&f1, steps);
+    assert!(
+        (0.5..=2.0).contains(&a) && (0.5..=2.0).contains(&speed),
+        "{a} {speed}"
+    );
 }

@@ -295,6 +295,7 @@ fn sample_events() -> Vec<Event> {
             parents: vec!["student-0".into(), "student-2".into()],
             operators: vec!["ties".into(), "svd_noise".into()],
             node: None,
+            optimizer: Some("reset".into()),
         },
         Event::Cull {
             step: 4,

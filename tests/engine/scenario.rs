@@ -145,6 +145,14 @@ const CASES: &[Case] = &[
     ("events in solo",
      "seed = 1\nsteps = 2\npopulation.mode = \"solo\"\n[[events]]\nat = 1\nkill = \"solo-0\"\n",
      Some("events[0]"), 4, "not allowed in solo mode"),
+    ("solo with one proposal per kind",
+     "seed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n[selfplay]\nproposals_per_teacher = 1\n",
+     Some("selfplay.proposals_per_teacher"), 6,
+     "selfplay.proposals_per_teacher = 1 with population.mode = \"solo\" leaves each proposer advantage group"),
+    ("solo with the default proposals per kind",
+     "seed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n",
+     Some("population.mode"), 4,
+     "selfplay.proposals_per_teacher = 1 with population.mode = \"solo\""),
     ("one subpopulation", "seed = 1\nsteps = 2\n[population]\nsubpopulations = 1\n",
      Some("population.subpopulations"), 4, "population.subpopulations = 1 is out of range (allowed 2.."),
     ("fewer teachers than subpopulations",
@@ -240,6 +248,35 @@ fn malformed_scenarios_name_key_and_line() {
     assert!(failures.is_empty(), "\n{}", failures.join("\n"));
 }
 
+/// TRR++ normalises within (task kind × role) groups: a solo member with one
+/// proposal per kind has proposer groups of one rollout, whose advantage is
+/// always 0. Validation refuses that, naming both keys, and accepts two.
+#[test]
+fn solo_mode_needs_two_proposals_per_kind() {
+    let solo = |proposals: usize| {
+        parse(&format!(
+            "seed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n[selfplay]\nproposals_per_teacher = {proposals}\n"
+        ))
+    };
+    let error = solo(1).unwrap_err();
+    let rendered = error.to_string();
+    assert_eq!(error.kind, ErrorKind::Invalid);
+    assert_eq!(error.line, Some(6), "{rendered}");
+    for needed in [
+        "selfplay.proposals_per_teacher = 1",
+        "population.mode = \"solo\"",
+        "advantage",
+        "(allowed: selfplay.proposals_per_teacher = 2.. in solo mode)",
+    ] {
+        assert!(rendered.contains(needed), "{needed:?} missing: {rendered}");
+    }
+    assert_eq!(solo(2).unwrap().selfplay.proposals_per_teacher, 2);
+    // In population mode the teachers share the groups: two teachers with
+    // one proposal each are enough.
+    let population = parse("seed = 1\nsteps = 2\n[selfplay]\nproposals_per_teacher = 1\n").unwrap();
+    assert_eq!(population.population.teachers, 2);
+}
+
 #[test]
 fn unreadable_file_names_the_path() {
     let error = Scenario::from_file("no/such/file.toml", check_operator).unwrap_err();
@@ -324,7 +361,10 @@ fn resolved_defaults_depend_on_other_keys() {
             .unwrap();
     assert_eq!(tiny.model.tiny, Some(TinyModelSection::default()));
 
-    let solo = parse("name = \"b\"\nseed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n").unwrap();
+    let solo = parse(
+        "name = \"b\"\nseed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n[selfplay]\nproposals_per_teacher = 2\n",
+    )
+    .unwrap();
     assert_eq!(solo.name, "b");
     assert!(
         !solo.evolution.enabled,
@@ -472,7 +512,11 @@ fn shipped_scenarios_parse() {
     // The same token settings as 4t4s; its steps only bound it, as
     // experiments/paper-4t4s.toml matches the two runs' compute.
     assert!(solo.steps >= 4 * paper.steps);
-    assert_eq!(solo.selfplay, paper.selfplay);
+    // ... but two proposals per task kind: the solo proposer's advantage
+    // groups need two rollouts per step.
+    let mut selfplay = paper.selfplay.clone();
+    selfplay.proposals_per_teacher = 2;
+    assert_eq!(solo.selfplay, selfplay);
     assert_eq!(solo.lora, paper.lora);
 }
 
@@ -485,10 +529,11 @@ fn shipped_experiments_load() {
         let (p, b) = (&loaded.population, &loaded.baseline);
         assert_eq!(p.population.mode, Mode::Population, "{file}");
         assert_eq!(b.population.mode, Mode::Solo, "{file}");
-        assert_eq!(
-            p.selfplay, b.selfplay,
-            "{file}: the same self-play settings"
-        );
+        // The same self-play settings, but for the solo proposer's two
+        // proposals per task kind (its advantage groups need two rollouts).
+        let mut selfplay = p.selfplay.clone();
+        selfplay.proposals_per_teacher = 2;
+        assert_eq!(selfplay, b.selfplay, "{file}: the same self-play settings");
         assert_eq!(p.lora, b.lora, "{file}: the same adapter shape");
         assert_eq!(
             b.budget_tflop, None,
@@ -593,7 +638,10 @@ fn never_panics_on_mutated_input() {
     .map(|f| std::fs::read_to_string(dir.join(f)).unwrap())
     .collect();
     corpus.push("seed = 1\nsteps = 3\n".to_string());
-    corpus.push("seed = 1\nsteps = 3\n[population]\nmode = \"solo\"\n".to_string());
+    corpus.push(
+        "seed = 1\nsteps = 3\n[population]\nmode = \"solo\"\n[selfplay]\nproposals_per_teacher = 2\n"
+            .to_string(),
+    );
     let tokens = [
         "0",
         "-1",

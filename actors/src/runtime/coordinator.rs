@@ -1,7 +1,10 @@
 //! The `Coordinator`: the step loop. Each step is a sequence of phases with
-//! barriers — commands → propose → validate → match → solve → score →
-//! reward → train → rate → evolve → checkpoint — and commits (journal,
-//! metrics, checkpoint) only when every phase succeeded. A member that dies
+//! barriers — evolve (at the start of step E + 1, 2E + 1, ...) → commands →
+//! match → propose → validate → solve → score → reward → train → rate →
+//! checkpoint — and commits (journal, metrics, checkpoint) only when every
+//! phase succeeded. Evolution opens a step rather than closing one, so that
+//! a run that ends (its last step, `ctl stop`, its budget) is evaluated as
+//! it trained: no offspring without an update, no member lost unseen. A member that dies
 //! mid-step is restarted from the step's starting snapshot, every other
 //! member is rolled back to it, and the step runs again: all randomness is
 //! keyed by (seed, step, purpose), so the retry gives the same result.
@@ -505,6 +508,21 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         grammars: &engine.grammars,
     };
     let mut events = Vec::new();
+    // Evolution before the step's commands: it ranks the population as the
+    // last step left it (`league.step` is still s − 1, so fitness is the one
+    // that step's metrics line reported), whatever commands arrived, and an
+    // injected member is never ranked, or culled, before it has played a
+    // step. A kill or inject naming a member culled here is refused and
+    // journaled like any command naming a member that is gone. The journal
+    // keeps that order: culls and spawns, then the commands, then the step.
+    let evolve_ms = if evolves_before(&state.args.scenario, s) {
+        publish(state, "evolve");
+        let start = Instant::now();
+        evolve(state, s, &mut events).await?;
+        Some(start.elapsed().as_secs_f64() * 1e3)
+    } else {
+        None
+    };
     state.args.league.step = s;
     for (command, source) in commands {
         apply_command(state, s, command, *source, &mut events).await?;
@@ -533,14 +551,7 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         league.rewards.entry(id).or_default().push((s, reward));
     }
     rate(league, &report.problems, &report.solves)?;
-
-    if state.args.scenario.evolution.enabled
-        && s.is_multiple_of(state.args.scenario.evolution.every)
-    {
-        publish(state, "evolve");
-        let start = Instant::now();
-        evolve(state, s, &mut events).await?;
-        let ms = start.elapsed().as_secs_f64() * 1e3;
+    if let Some(ms) = evolve_ms {
         metrics.phase_ms.insert("evolve".into(), ms);
     }
     // The brokers' own compute time: how much of the step the models were busy.
@@ -549,6 +560,15 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
         .phase_ms
         .insert("compute".into(), usage.generate_ms + usage.train_ms);
     Ok(Outcome { events, metrics })
+}
+
+/// Whether step `s` starts with evolution: every `every` steps, between
+/// steps and never after the last one (step 1 has nothing to rank). A run
+/// resumed from the checkpoint after step k·every evolves once, here, before
+/// step k·every + 1, as the uninterrupted run did.
+fn evolves_before(scenario: &Scenario, s: u64) -> bool {
+    let evolution = &scenario.evolution;
+    evolution.enabled && s > 1 && (s - 1).is_multiple_of(evolution.every)
 }
 
 /// The runtime's side of [`play_step`]: the sites' brokers generate and
@@ -770,6 +790,7 @@ async fn add_member(state: &mut State, s: u64, part: Role, child: Newborn) -> St
         parents: child.parents,
         operators: child.operators,
         node: state.sites.node_of(id).map(str::to_string),
+        optimizer: Some(child.optimizer),
     })
 }
 

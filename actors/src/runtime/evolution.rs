@@ -28,6 +28,8 @@ pub struct Newborn {
     pub subpop: usize,
     pub parents: Vec<String>,
     pub operators: Vec<String>,
+    /// Where its AdamW state came from: `reset`, or `inherited from <parent>`.
+    pub optimizer: String,
     pub learner: Learner,
 }
 
@@ -227,9 +229,9 @@ impl Breeder<'_> {
             .iter()
             .map(|&id| self.get(id))
             .collect::<anyhow::Result<_>>()?;
-        let Some(first) = chosen.first() else {
+        if chosen.is_empty() {
             anyhow::bail!("no parents to breed from")
-        };
+        }
         let adapters: Vec<&Adapter> = chosen.iter().map(|c| &c.learner.adapter).collect();
         let fitness: Vec<f64> = chosen.iter().map(|c| c.fitness).collect();
         let (adapter, records) = match op {
@@ -269,17 +271,43 @@ impl Breeder<'_> {
                 (child, records)
             }
         };
-        let optimizer = match self.config.optimizer {
-            OptimizerInit::Reset => AdamW::new(self.adamw),
-            OptimizerInit::Inherit => first.learner.optimizer.clone(),
+        let (optimizer, origin) = match self.config.optimizer {
+            OptimizerInit::Reset => (AdamW::new(self.adamw), "reset".to_string()),
+            OptimizerInit::Inherit => match basis_kept(&adapter, &chosen)? {
+                Some(parent) => (
+                    parent.learner.optimizer.clone(),
+                    format!("inherited from {}", parent.name),
+                ),
+                None => (AdamW::new(self.adamw), "reset".to_string()),
+            },
         };
         Ok(Newborn {
             subpop,
             parents: chosen.iter().map(|c| c.name.clone()).collect(),
             operators: records.iter().map(|r| describe(&r.operator)).collect(),
+            optimizer: origin,
             learner: Learner { adapter, optimizer },
         })
     }
+}
+
+/// The parent whose factors the child has unchanged, module for module
+/// (`clone`, a `layer_pick` that took every layer from one parent, and no
+/// mutation after): the only child whose AdamW moments still describe its
+/// factors. Every other child is written in a new basis of its ΔW (see
+/// `populora::evolve`), where a parent's moments would push the wrong
+/// coordinates, and with its step count, scale them wrongly too.
+fn basis_kept<'a>(
+    child: &Adapter,
+    parents: &[&'a Contender],
+) -> anyhow::Result<Option<&'a Contender>> {
+    let checksum = child.checksum()?;
+    for parent in parents {
+        if parent.learner.adapter.checksum()? == checksum {
+            return Ok(Some(parent));
+        }
+    }
+    Ok(None)
 }
 
 fn draw(
@@ -301,4 +329,75 @@ fn describe(spec: &OperatorSpec) -> String {
     }
     let list: Vec<String> = params.iter().map(|(k, v)| format!("{k}={v}")).collect();
     format!("{}:{}", spec.name, list.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use populora::base::{Arch, ModelConfig};
+    use populora::lora::LoraConfig;
+
+    fn contender(id: MemberId, steps_taken: u64) -> Contender {
+        let model = ModelConfig {
+            arch: Arch::Llama,
+            name: "evolution-test".to_string(),
+            vocab_size: 64,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            max_position_embeddings: 128,
+            tie_word_embeddings: true,
+        };
+        let mut rng = keyed_stream!(id, "evolution-test");
+        let config = LoraConfig {
+            rank: 4,
+            ..LoraConfig::default()
+        };
+        let adapter = Adapter::new(config, &model, &mut rng, &candle_core::Device::Cpu).unwrap();
+        let mut optimizer = AdamW::new(AdamWConfig::default());
+        optimizer.steps_taken = steps_taken;
+        Contender {
+            id,
+            name: format!("teacher-{id}"),
+            subpop: 0,
+            fitness: 0.0,
+            learner: Learner { adapter, optimizer },
+        }
+    }
+
+    /// With `optimizer = "inherit"`, only a child whose factors are a
+    /// parent's takes that parent's AdamW state; a child written in a new
+    /// basis (any operator through ΔW, even one that keeps ΔW) starts fresh.
+    #[test]
+    fn moments_are_inherited_only_where_the_basis_is_kept() {
+        let contenders = [contender(0, 7), contender(1, 9)];
+        let config = EvolutionSection {
+            optimizer: OptimizerInit::Inherit,
+            ..EvolutionSection::default()
+        };
+        let breeder = Breeder {
+            config: &config,
+            adamw: AdamWConfig::default(),
+            contenders: &contenders,
+        };
+        let mut rng = keyed_stream!(1, "evolution-test-breed");
+        // `clone` copies the fitter parent (the first on ties) unchanged.
+        let clone = breeder.breed(&[1, 0], Some("clone"), 0, &mut rng).unwrap();
+        assert_eq!(clone.optimizer, "inherited from teacher-1");
+        assert_eq!(clone.learner.optimizer.steps_taken, 9);
+        let same_delta_w = "svd_noise:sigma=0,angle=0";
+        let mutated = breeder
+            .breed(&[0], Some(same_delta_w), 0, &mut rng)
+            .unwrap();
+        assert_eq!(mutated.optimizer, "reset");
+        assert_eq!(mutated.learner.optimizer.steps_taken, 0);
+        // The scenario's drawn operators (a crossover, then a mutation).
+        let drawn = breeder.breed(&[0, 1], None, 0, &mut rng).unwrap();
+        assert_eq!(drawn.optimizer, "reset");
+    }
 }

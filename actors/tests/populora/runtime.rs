@@ -130,6 +130,80 @@ fn same_seed_gives_the_same_journal_and_replay_verifies_it() {
     assert!(Path::new(index.trim()).exists(), "{index}");
 }
 
+/// Evolution opens steps every + 1, 2·every + 1, ... and never follows the
+/// last step, so a run ends with every member trained. tiny.toml (4 steps,
+/// evolution every 2) evolves once: at the start of step 3, before that
+/// step's scripted kill and inject; nothing is culled or born after step 4.
+#[test]
+fn evolution_opens_the_step_after_every_and_never_follows_the_last() {
+    let dir = baseline();
+    let events: Vec<Event> = journal(dir)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    // Culls, spawns and commands by step, in journal order.
+    let kinds: Vec<(u64, &str)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Cull { step, .. } => Some((*step, "cull")),
+            Event::Spawn { step, .. } => Some((*step, "spawn")),
+            Event::Control { step, .. } => Some((*step, "control")),
+            Event::Kill { step, .. } => Some((*step, "kill")),
+            _ => None,
+        })
+        .collect();
+    let culls: Vec<u64> = kinds
+        .iter()
+        .filter(|(_, k)| *k == "cull")
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(
+        culls,
+        [3, 3],
+        "one teacher, one student, at step 3: {kinds:?}"
+    );
+    assert!(
+        kinds.iter().all(|(s, _)| *s == 3),
+        "evolution and the scripted events all at step 3: {kinds:?}"
+    );
+    // Evolution (teachers, then students), then the step's commands.
+    let order: Vec<&str> = kinds.iter().map(|(_, k)| *k).collect();
+    assert_eq!(
+        order[..5],
+        ["cull", "spawn", "cull", "spawn", "control"],
+        "{kinds:?}"
+    );
+    // Its time counts in the step it opens.
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let evolved: Vec<u64> = metrics
+        .iter()
+        .filter(|m| m["phase_ms"].get("evolve").is_some())
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evolved, [3]);
+    // Every member alive at the end played the last step.
+    let end: serde_json::Value = serde_json::from_str(&end_line(dir)).unwrap();
+    let last = metrics.iter().find(|m| m["step"] == 4).unwrap();
+    let played: std::collections::BTreeSet<&str> = last["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["reward_mean"].is_number())
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    let alive: std::collections::BTreeSet<&str> = end["checksums"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(played, alive, "{last}");
+}
+
 #[test]
 fn live_kill_and_inject_over_the_socket_replay_bit_identically() {
     // Four students in two sub-populations, so a kill keeps cross-evaluation possible.
@@ -348,6 +422,8 @@ fn experiment_files(dir: &Path) -> PathBuf {
             "mode = \"population\"\nteachers = 2                  # teacher-0 → sub-population 0, teacher-1 → 1\nstudents = 2                  # student-0 → sub-population 0, student-1 → 1\nsubpopulations = 2            # teachers are solved by students of the other sub-population\nstudents_per_teacher = 1",
             "mode = \"solo\"",
         )
+        // One proposal per kind would leave the solo proposer's advantage
+        // groups one rollout each (refused in solo mode).
         .replace("proposals_per_teacher = 1 ", "proposals_per_teacher = 2 ")
         .replace("enabled = true\n", "enabled = false\n");
     let solo = solo[..solo.find("[[events]]").unwrap()].to_string();
