@@ -141,6 +141,13 @@ impl Experiment {
             message,
         };
         experiment.check_eval().map_err(|(key, m)| fail(key, m))?;
+        let mut seeds = experiment.seeds.clone();
+        seeds.sort_unstable();
+        seeds.dedup();
+        if seeds.len() != experiment.seeds.len() {
+            let why = format!("seeds = {:?}: each seed once", experiment.seeds);
+            return Err(fail("seeds", why));
+        }
         let dir = path.parent().unwrap_or(Path::new("."));
         let population = Scenario::from_file(dir.join(&experiment.population), check_operator)?;
         let baseline = Scenario::from_file(dir.join(&experiment.baseline), check_operator)?;
@@ -160,13 +167,7 @@ impl Experiment {
             let why = "the population and the baseline must have the same [seeding]: each seed's stage is run once and both arms start from it";
             return Err(fail("baseline", why.into()));
         }
-        let mut seeds = experiment.seeds.clone();
-        seeds.sort_unstable();
-        seeds.dedup();
-        if seeds.len() != experiment.seeds.len() {
-            let why = format!("seeds = {:?}: each seed once", experiment.seeds);
-            return Err(fail("seeds", why));
-        }
+
         Ok(LoadedExperiment {
             experiment,
             population,

@@ -25,7 +25,7 @@ const METRICS_STEP_1: &str = r#"{"step":1,"wall_ms":1769.8678779999998,"phase_ms
 const METRICS_STEP_3: &str = r#"{"step":3,"wall_ms":2067.5296080000003,"phase_ms":{"compute":1965.9901960000002,"propose":236.856248,"score":25.755688999999997,"solve":481.62794399999996,"train":1250.810528,"validate":43.221725},"members":[{"id":"student-0","role":"student","subpop":0,"reward_mean":-0.5,"fitness":-0.5,"rating":{"mu":17.36216348458826,"sigma":5.846724942261079},"grad_norm":0.0,"train_tokens":330},{"id":"teacher-2","role":"teacher","subpop":1,"reward_mean":-0.3333333333333333,"fitness":-0.3333333333333333,"rating":{"mu":30.988215205628013,"sigma":6.55537037440068},"grad_norm":0.0,"train_tokens":207},{"id":"student-2","role":"student","subpop":1,"reward_mean":-0.5,"fitness":-0.5,"rating":{"mu":25.0,"sigma":8.333333333333334},"grad_norm":0.0,"train_tokens":303},{"id":"student-3","role":"student","subpop":0,"reward_mean":-0.5,"fitness":-0.5,"rating":{"mu":19.011784794371987,"sigma":6.55537037440068},"grad_norm":0.0,"train_tokens":93}],"groups":[{"kind":"deduction","role":"proposer","count":1,"reward_mean":-0.5,"reward_std":0.0},{"kind":"deduction","role":"solver","count":4,"reward_mean":-0.5,"reward_std":0.0},{"kind":"abduction","role":"proposer","count":1,"reward_mean":-0.5,"reward_std":0.0},{"kind":"abduction","role":"solver","count":4,"reward_mean":-0.5,"reward_std":0.0},{"kind":"induction","role":"proposer","count":1,"reward_mean":0.0,"reward_std":0.0},{"kind":"induction","role":"solver","count":6,"reward_mean":-0.4999999999999999,"reward_std":1.1102230246251564e-16}],"proposals":{"total":3,"valid":1,"learnable":0,"rejected":{"runtime_error":1,"syntax_error":1}},"solve_rate":{"deduction":0.0,"abduction":0.0,"induction":0.0},"solver_format_errors":{"deduction":0.0,"abduction":0.0,"induction":0.0},"programs":[{"author":"teacher-2","kind":"induction","ast_nodes":7,"max_depth":5,"node_types":7,"cyclomatic":1}],"tokens":{"prompt_mean":398.2352941176471,"prompt_max":620,"response_mean":107.70588235294117,"truncated":0.17647058823529413},"compute":{"prompt_tokens":6770,"generated_tokens":1831,"trained_tokens":8601,"flops":3731915008.0},"compute_total":{"prompt_tokens":16690,"generated_tokens":4143,"trained_tokens":20833,"flops":9887128064.0}}"#;
 
 /// One line of each journal event kind (and both command sources).
-const EVENTS: [&str; 15] = [
+const EVENTS: [&str; 17] = [
     r#"{"event":"start","seed":7,"scenario":"tiny","members":[{"id":"teacher-0","role":"teacher","subpop":0},{"id":"teacher-1","role":"teacher","subpop":1},{"id":"student-0","role":"student","subpop":0},{"id":"student-1","role":"student","subpop":1}]}"#,
     r#"{"event":"step","step":1,"checksums":{"student-0":"52d2b9746515aff1fd32050e66f0926a2b83ba6e72a4f12c764b62dc1c7ff5dd","student-1":"2b3f70aca0f5f6e800614a7fb901080664d35668beabc51ed45727b6cb31b53f","teacher-0":"e49cbe81e63e0b0a9a3e7a10dd0b3ea16431c55469ce56e04b10527e71b0b49d","teacher-1":"da9a49abff753724429865b9b078d7624d10ca343bebcaf72970370c0e3c2109"}}"#,
     r#"{"event":"control","step":3,"command":{"cmd":"kill","member":"teacher-0"},"source":"scenario","outcome":"applied"}"#,
@@ -41,6 +41,8 @@ const EVENTS: [&str; 15] = [
     r#"{"event":"node_back","step":4,"node":"127.0.0.1:7102"}"#,
     r#"{"event":"layout","step":2,"members":{"student-0":"127.0.0.1:7101","student-2":"127.0.0.1:7101","teacher-0":"127.0.0.1:7101","teacher-2":"127.0.0.1:7101"},"down":{"127.0.0.1:7102":"down: Connection refused (os error 111)"}}"#,
     r#"{"event":"spawn","step":8,"id":"student-6","role":"student","subpop":0,"parents":["student-0","student-2"],"operators":["ties:density=0.2","svd_noise:angle=0.05,sigma=0.1"],"node":"127.0.0.1:7102"}"#,
+    r#"{"event":"seeding","checksum":"305a1b95b32ce9d20ac6031b88dce33eb8423c57dad27fcfabfd2e331283c027","entries":{"abduction":4,"deduction":4,"induction":4},"rounds":29,"proposals":330,"valid":12,"compute":{"prompt_tokens":216108,"generated_tokens":37086,"trained_tokens":0,"computed_prompt_tokens":59964,"flops":15805606400.0}}"#,
+    r#"{"event":"compute_mark","step":10,"target_tflop":0.010365313536,"spent_tflop":0.01015575424}"#,
 ];
 
 fn parse<T: DeserializeOwned>(line: &str) -> T {
@@ -117,6 +119,8 @@ fn kind(event: &Event) -> &'static str {
         Event::NodeLost { .. } => "node_lost",
         Event::NodeBack { .. } => "node_back",
         Event::End { .. } => "end",
+        Event::Seeding { .. } => "seeding",
+        Event::ComputeMark { .. } => "compute_mark",
         Event::Unknown => "unknown",
     }
 }
@@ -132,6 +136,7 @@ fn journal_events_as_runs_write_them() {
         [
             "checkpoint",
             "checkpoint_skipped",
+            "compute_mark",
             "control",
             "cull",
             "end",
@@ -140,6 +145,7 @@ fn journal_events_as_runs_write_them() {
             "layout",
             "node_back",
             "node_lost",
+            "seeding",
             "spawn",
             "start",
             "step"

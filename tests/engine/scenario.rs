@@ -578,9 +578,19 @@ fn malformed_experiments_name_the_key() {
             "mmlu",
         ),
         (
-            format!("population = {pop:?}\nbaseline = {solo:?}\nseeds = 3\n"),
-            "seeds",
+            format!("population = {pop:?}\nbaseline = {solo:?}\nrepeats = 3\n"),
+            "repeats",
             "unknown",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\nseeds = [1, 2, 1]\n"),
+            "seeds",
+            "each seed once",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\n[eval]\nselection = 1.0\n"),
+            "eval.selection",
+            "0 < selection < 1",
         ),
     ];
     for (i, (text, key, fragment)) in cases.iter().enumerate() {
