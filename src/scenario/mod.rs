@@ -309,6 +309,12 @@ pub struct SelfPlaySection {
     /// and backward. Results are the same up to the order of floating-point
     /// sums; off only for side-by-side measurement. Default: true.
     pub share_prefixes: bool,
+    /// Buffer problems every solver gets per task kind per step, 0..=32, on
+    /// top of its matched teachers' problems (AZR's solver trains on buffer
+    /// tasks). They train the solver; no teacher's learnability counts them.
+    /// 0: a solver sees buffer problems only when no matched teacher made a
+    /// valid one (then one per kind). Default: 1.
+    pub buffer_problems: usize,
     /// Inputs an induction proposer writes, >= 2. Default: 10.
     pub induction_inputs: usize,
     /// Of those, input/output pairs shown to the solver, 1..induction_inputs; the rest
@@ -330,6 +336,7 @@ impl Default for SelfPlaySection {
             constrained: true,
             prefill_answer: false,
             share_prefixes: true,
+            buffer_problems: 1,
             induction_inputs: 10,
             induction_shown: 5,
         }

@@ -105,6 +105,8 @@ const CASES: &[Case] = &[
     ("temperature 2.5", "seed = 1\nsteps = 2\n[selfplay]\ntemperature = 2.5\n", Some("selfplay.temperature"), 4,
      "selfplay.temperature = 2.5 is out of range"),
     ("references 33", "seed = 1\nsteps = 2\n[selfplay]\nreferences = 33\n", Some("selfplay.references"), 4, "0..=32"),
+    ("buffer_problems 33", "seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 33\n", Some("selfplay.buffer_problems"), 4,
+     "selfplay.buffer_problems = 33 is out of range (allowed 0..=32)"),
     ("max_new_tokens 4", "seed = 1\nsteps = 2\n[selfplay]\nmax_new_tokens = 4\n", Some("selfplay.max_new_tokens"), 4,
      "8..=4096"),
     ("lr 2", "seed = 1\nsteps = 2\n[training]\nlr = 2.0\n", Some("training.lr"), 4, "0 < lr <= 1"),
@@ -279,6 +281,7 @@ fn defaults() {
     assert!(sp.constrained && !sp.prefill_answer);
     assert_eq!((sp.temperature, sp.top_p), (1.0, 1.0));
     assert_eq!((sp.induction_inputs, sp.induction_shown), (10, 5));
+    assert_eq!(sp.buffer_problems, 1);
     assert_eq!(
         (s.rewards.correct, s.rewards.malformed, s.rewards.wrong),
         (1.0, -1.0, -0.5)
@@ -339,6 +342,13 @@ fn resolved_defaults_depend_on_other_keys() {
         path.model.source,
         ModelSource::Path("models/smollm2.gguf".into())
     );
+}
+
+#[test]
+fn buffer_problems_reach_the_step() {
+    let s = parse("seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 0\n").unwrap();
+    let settings = populora::selfplay::Settings::from_scenario(&s);
+    assert_eq!(settings.buffer_problems, 0);
 }
 
 #[test]

@@ -12,9 +12,9 @@ use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
 use populora::rl::ppo_clip_token_loss;
 use populora::selfplay::{
-    self, Grammars, Learner, Roster, Settings, StepContext, StepMetrics, Verdict,
+    self, Grammars, Learner, Problem, Roster, Settings, StepContext, StepMetrics, Verdict,
 };
-use populora::task::{PromptConfig, TaskBuffers, TaskKind};
+use populora::task::{PromptConfig, Role, TaskBuffers, TaskKind};
 use populora::verify::{SandboxConfig, VerifierPool};
 
 fn tiny() -> (Llama, Tokenizer) {
@@ -141,7 +141,10 @@ const ANSWERS: [[&str; 3]; 2] = [
 #[test]
 fn scripted_step_gives_azr_rewards_and_updates_both_members() {
     let (model, tok) = tiny();
-    let settings = settings(&[TaskKind::Deduction, TaskKind::Abduction]);
+    let settings = Settings {
+        buffer_problems: 0,
+        ..settings(&[TaskKind::Deduction, TaskKind::Abduction])
+    };
     let ctx = StepContext {
         seed: 5,
         step: 1,
@@ -359,6 +362,7 @@ fn generated_steps_on_a_tiny_model_are_reproducible() {
 fn a_proposal_whose_solver_prompt_cannot_fit_is_rejected_not_fatal() {
     let (model, tok) = tiny();
     let mut settings = settings(&[TaskKind::Deduction, TaskKind::Abduction]);
+    settings.buffer_problems = 0;
     // Proposer and deduction prompts fit (≈ 350-540 tokens of the tiny
     // vocabulary); this abduction prompt is ≈ 760.
     let limit = 600;
@@ -410,4 +414,148 @@ fn a_proposal_whose_solver_prompt_cannot_fit_is_rejected_not_fatal() {
     sneaked.job.kind = TaskKind::Abduction;
     let problems = selfplay::problems(&ctx, &roster, &[sneaked], &buffers).unwrap();
     assert!(problems.is_empty(), "{} problems", problems.len());
+}
+
+/// Step 1 of seed 5.
+fn context<'a>(
+    settings: &'a Settings,
+    tokenizer: &'a Tokenizer,
+    grammars: &'a Grammars,
+) -> StepContext<'a> {
+    StepContext {
+        seed: 5,
+        step: 1,
+        settings,
+        tokenizer,
+        grammars,
+    }
+}
+
+/// (proposal, author, kind, solvers) of each problem, in order.
+type Shape = (Option<usize>, Option<u64>, TaskKind, Vec<u64>);
+
+fn shape(problems: &[Problem]) -> Vec<Shape> {
+    problems
+        .iter()
+        .map(|p| (p.proposal, p.author, p.task.kind(), p.solvers.clone()))
+        .collect()
+}
+
+#[test]
+fn every_student_also_solves_buffer_problems_that_no_teacher_is_rewarded_for() {
+    use TaskKind::{Abduction, Deduction};
+    let (model, tok) = tiny();
+    let base = settings(&[Deduction, Abduction]);
+    let (teacher, student, idle) = (0u64, 1u64, 2u64);
+    let learners: BTreeMap<u64, Learner> = [teacher, student, idle]
+        .into_iter()
+        .map(|id| (id, learner(&model, 5, id)))
+        .collect();
+    let set = learners
+        .iter()
+        .fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    // `idle` is matched to no teacher.
+    let roster = Roster {
+        proposers: vec![teacher],
+        matches: BTreeMap::from([(teacher, vec![student])]),
+        solvers: vec![student, idle],
+    };
+    let pool = pool();
+    let mut buffers = TaskBuffers::seeded();
+    let with = |n: usize| Settings {
+        buffer_problems: n,
+        ..base.clone()
+    };
+    let grammars = Grammars::off();
+    let proposals = propose_scripted(
+        &context(&base, &tok, &grammars),
+        &model,
+        &set,
+        &roster,
+        &buffers,
+        &pool,
+        &PROPOSALS,
+    );
+    selfplay::accept(&mut buffers, &proposals).unwrap();
+    let problems = |n: usize| {
+        let settings = with(n);
+        selfplay::problems(
+            &context(&settings, &tok, &grammars),
+            &roster,
+            &proposals,
+            &buffers,
+        )
+        .unwrap()
+    };
+    let proposed: Vec<Shape> = vec![
+        (Some(0), Some(teacher), Deduction, vec![student]),
+        (Some(3), Some(teacher), Abduction, vec![student]),
+    ];
+    let buffer = |solver: u64| -> Vec<Shape> {
+        vec![
+            (None, None, Deduction, vec![solver]),
+            (None, None, Abduction, vec![solver]),
+        ]
+    };
+
+    // 0: only the solver without a problem gets buffer problems.
+    let none = problems(0);
+    assert_eq!(shape(&none), [proposed.clone(), buffer(idle)].concat());
+    // 1: the matched student too, one per kind.
+    let one = problems(1);
+    assert_eq!(
+        shape(&one),
+        [proposed.clone(), buffer(student), buffer(idle)].concat()
+    );
+    // Drawn from each solver's own stream: the idle one's are the fallback's.
+    assert_eq!(one[4].task, none[2].task);
+    assert_eq!(one[5].task, none[3].task);
+    let two = problems(2);
+    assert_eq!(two.len(), 2 + 2 * 2 * 2, "two per kind per solver");
+
+    // Scored: the teacher's learnability comes from its own problems' rollouts
+    // alone; the buffer rollouts ("no idea": malformed, −1) train the students.
+    let settings = with(1);
+    let jobs = selfplay::solve_jobs(&context(&settings, &tok, &grammars), &one);
+    assert_eq!(jobs.len(), 6 * settings.solver_samples);
+    let generations = jobs
+        .iter()
+        .map(|j| {
+            let text = match one[j.problem].proposal {
+                Some(0) => ANSWERS[0][j.sample],
+                Some(_) => ANSWERS[1][j.sample],
+                None => "no idea",
+            };
+            scripted(&model, &tok, &set, j.solver, &one[j.problem].tokens, text)
+        })
+        .collect();
+    let solves = selfplay::judge_solutions(
+        &context(&settings, &tok, &grammars),
+        &one,
+        jobs,
+        generations,
+        &pool,
+    )
+    .unwrap();
+    let episodes = selfplay::episodes(&settings, &proposals, &one, &solves);
+    let proposer: Vec<f64> = episodes
+        .iter()
+        .filter(|e| e.role == Role::Proposer)
+        .map(|e| e.reward)
+        .collect();
+    let want = [2.0 / 3.0, -1.0, -0.5, 1.0 / 3.0];
+    for (got, want) in proposer.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12, "{proposer:?}");
+    }
+    let solver_rewards = |member: u64| -> Vec<f64> {
+        episodes
+            .iter()
+            .filter(|e| e.role == Role::Solver && e.member == member)
+            .map(|e| e.reward)
+            .collect()
+    };
+    let mine = solver_rewards(student);
+    assert_eq!(mine.len(), 4 * 3);
+    assert_eq!(mine[6..], [-1.0; 6], "buffer rollouts: {mine:?}");
+    assert_eq!(solver_rewards(idle), [-1.0; 6]);
 }
