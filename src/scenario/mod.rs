@@ -315,6 +315,11 @@ pub struct SelfPlaySection {
     /// 0: a solver sees buffer problems only when no matched teacher made a
     /// valid one (then one per kind). Default: 1.
     pub buffer_problems: usize,
+    /// How TRR++ forms its advantage groups: `pooled`, one per (task kind ×
+    /// role) over the whole step, every member sharing its baseline (AZR's
+    /// six groups); or `per_member`, one per (member × kind × role). See
+    /// `selfplay::train_rows`. Default: pooled.
+    pub advantage_groups: AdvantageGroups,
     /// Inputs an induction proposer writes, >= 2. Default: 10.
     pub induction_inputs: usize,
     /// Of those, input/output pairs shown to the solver, 1..induction_inputs; the rest
@@ -337,10 +342,21 @@ impl Default for SelfPlaySection {
             prefill_answer: false,
             share_prefixes: true,
             buffer_problems: 1,
+            advantage_groups: AdvantageGroups::Pooled,
             induction_inputs: 10,
             induction_shown: 5,
         }
     }
+}
+
+/// `selfplay.advantage_groups`: the rollouts that share one TRR++ baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageGroups {
+    /// One group per (task kind × role) over every member's rollouts.
+    Pooled,
+    /// One group per (member × task kind × role).
+    PerMember,
 }
 
 // ---------------------------------------------------------------- [rewards]

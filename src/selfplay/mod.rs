@@ -36,6 +36,7 @@ use std::collections::BTreeMap;
 use crate::base::{Message, Tokenizer};
 use crate::compute::{AdapterId, Sampling, TrainConfig};
 use crate::rl::{AdvantageConfig, RewardConfig};
+pub use crate::scenario::AdvantageGroups;
 use crate::scenario::Scenario;
 use crate::task::{ChatPrompt, PromptConfig, TaskKind};
 
@@ -57,6 +58,8 @@ pub struct Settings {
     /// matched proposers' problems (default 1); 0: only as the fallback of a
     /// solver left without a problem ([`problems`]).
     pub buffer_problems: usize,
+    /// Which rollouts share one TRR++ baseline ([`train_rows`]; default pooled).
+    pub advantage_groups: AdvantageGroups,
     /// Longest response (default 512).
     pub max_new_tokens: usize,
     /// Sampling of every response (default temperature 1, top-p 1).
@@ -91,6 +94,7 @@ impl Settings {
             proposals_per_teacher: p.proposals_per_teacher,
             solver_samples: p.solver_samples,
             buffer_problems: p.buffer_problems,
+            advantage_groups: p.advantage_groups,
             max_new_tokens: p.max_new_tokens,
             sampling: Sampling {
                 temperature: p.temperature as f32,
@@ -123,6 +127,7 @@ impl Default for Settings {
             proposals_per_teacher: 1,
             solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
             buffer_problems: 1,
+            advantage_groups: AdvantageGroups::Pooled,
             max_new_tokens: 512,
             sampling: Sampling::default(),
             constrained: true,

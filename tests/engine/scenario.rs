@@ -3,8 +3,8 @@
 use populora::base::Target;
 use populora::scenario::experiment::Experiment;
 use populora::scenario::{
-    parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource, Role, Scenario,
-    ScenarioError, TaskKind, TinyModelSection, WeightedOperator,
+    parse_member_id, AdvantageGroups, ErrorKind, EventAction, Fitness, Injection, Mode,
+    ModelSource, Role, Scenario, ScenarioError, TaskKind, TinyModelSection, WeightedOperator,
 };
 use std::path::Path;
 
@@ -281,7 +281,10 @@ fn defaults() {
     assert!(sp.constrained && !sp.prefill_answer);
     assert_eq!((sp.temperature, sp.top_p), (1.0, 1.0));
     assert_eq!((sp.induction_inputs, sp.induction_shown), (10, 5));
-    assert_eq!(sp.buffer_problems, 1);
+    assert_eq!(
+        (sp.buffer_problems, sp.advantage_groups),
+        (1, AdvantageGroups::Pooled)
+    );
     assert_eq!(
         (s.rewards.correct, s.rewards.malformed, s.rewards.wrong),
         (1.0, -1.0, -0.5)
@@ -345,10 +348,17 @@ fn resolved_defaults_depend_on_other_keys() {
 }
 
 #[test]
-fn buffer_problems_reach_the_step() {
-    let s = parse("seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 0\n").unwrap();
+fn buffer_problems_and_advantage_groups_reach_the_step() {
+    let s = parse(
+        "seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 0\nadvantage_groups = \"per_member\"\n",
+    )
+    .unwrap();
     let settings = populora::selfplay::Settings::from_scenario(&s);
     assert_eq!(settings.buffer_problems, 0);
+    assert_eq!(settings.advantage_groups, AdvantageGroups::PerMember);
+    let err =
+        parse("seed = 1\nsteps = 2\n[selfplay]\nadvantage_groups = \"members\"\n").unwrap_err();
+    assert!(err.to_string().contains("advantage_groups"), "{err}");
 }
 
 #[test]

@@ -12,7 +12,8 @@ use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
 use populora::rl::ppo_clip_token_loss;
 use populora::selfplay::{
-    self, Grammars, Learner, Problem, Roster, Settings, StepContext, StepMetrics, Verdict,
+    self, AdvantageGroups, Episode, Grammars, Learner, Problem, Roster, Settings, StepContext,
+    StepMetrics, Verdict,
 };
 use populora::task::{PromptConfig, Role, TaskBuffers, TaskKind};
 use populora::verify::{SandboxConfig, VerifierPool};
@@ -558,4 +559,108 @@ fn every_student_also_solves_buffer_problems_that_no_teacher_is_rewarded_for() {
     assert_eq!(mine.len(), 4 * 3);
     assert_eq!(mine[6..], [-1.0; 6], "buffer rollouts: {mine:?}");
     assert_eq!(solver_rewards(idle), [-1.0; 6]);
+}
+
+/// A solver episode of `member` with `reward` and `tokens` chosen tokens.
+fn episode(member: u64, kind: TaskKind, reward: f64, tokens: usize) -> Episode {
+    let picks = if tokens == 0 {
+        vec![Pick::Forced; 3]
+    } else {
+        vec![Pick::Free; tokens]
+    };
+    Episode {
+        member,
+        kind,
+        role: Role::Solver,
+        prompt: vec![1, 2],
+        response: vec![5; picks.len()],
+        logprobs: vec![-1.0; picks.len()],
+        picks,
+        reward,
+    }
+}
+
+#[test]
+fn advantage_groups_pooled_or_per_member_and_the_nonzero_share() {
+    use TaskKind::{Abduction, Deduction};
+    // Member 1 solved every deduction, member 2 half of them; in abduction
+    // member 1 failed and member 2 solved, and member 1's second abduction
+    // reply was all forced (no token to train, weight 0 in the statistics).
+    let episodes = [
+        episode(1, Deduction, 1.0, 4),
+        episode(1, Deduction, 1.0, 4),
+        episode(2, Deduction, 1.0, 4),
+        episode(2, Deduction, -0.5, 4),
+        episode(2, Deduction, 1.0, 4),
+        episode(2, Deduction, -0.5, 4),
+        episode(1, Abduction, -0.5, 4),
+        episode(2, Abduction, 1.0, 4),
+        episode(1, Abduction, 1.0, 0),
+    ];
+    let settings = |groups| Settings {
+        advantage_groups: groups,
+        ..Settings::default()
+    };
+    let shares = |groups| {
+        let settings = settings(groups);
+        let batch = selfplay::train_rows(&settings, &episodes).unwrap();
+        let m = StepMetrics::measure(1, &settings, &[], &[], &[], &episodes, &batch);
+        let shares: Vec<(u64, TaskKind, usize, usize)> = m
+            .member_groups
+            .iter()
+            .flat_map(|(&id, groups)| {
+                groups
+                    .iter()
+                    .map(move |g| (id, g.kind, g.rollouts, g.nonzero_advantage))
+            })
+            .collect();
+        (batch.advantages, shares)
+    };
+
+    // Pooled: member 1's deductions sit above the shared mean of 0.5;
+    // abduction is −0.5 against 1.0 (mean 0.25, std 0.75).
+    let (pooled, pooled_shares) = shares(AdvantageGroups::Pooled);
+    assert!(pooled[..2].iter().all(|&a| a > 0.0), "{pooled:?}");
+    assert_eq!(pooled[6..], [-1.0, 1.0, 1.0]);
+    // Per member: member 1's all-equal deductions carry nothing, member 2's
+    // are normalised within member 2 alone (mean 0.25, std 0.75).
+    let (own, own_shares) = shares(AdvantageGroups::PerMember);
+    assert_eq!(own[..2], [0.0, 0.0]);
+    assert_eq!(own[2..6], [1.0, -1.0, 1.0, -1.0]);
+    // Member 1's abductions: −0.5 and a 1.0 of weight 0, so std 0 and
+    // zeros; member 2's single abduction has nothing to differ from.
+    assert_eq!(own[6..], [0.0, 0.0, 0.0]);
+
+    // The share counts rollouts with a non-zero advantage and a token to
+    // train: member 1's all-forced abduction never counts.
+    assert_eq!(
+        pooled_shares,
+        [
+            (1, Deduction, 2, 2),
+            (1, Abduction, 2, 1),
+            (2, Deduction, 4, 4),
+            (2, Abduction, 1, 1),
+        ]
+    );
+    assert_eq!(
+        own_shares,
+        [
+            (1, Deduction, 2, 0),
+            (1, Abduction, 2, 0),
+            (2, Deduction, 4, 4),
+            (2, Abduction, 1, 0),
+        ]
+    );
+    let share = StepMetrics::measure(
+        1,
+        &settings(AdvantageGroups::Pooled),
+        &[],
+        &[],
+        &[],
+        &episodes,
+        &selfplay::train_rows(&settings(AdvantageGroups::Pooled), &episodes).unwrap(),
+    )
+    .member_groups[&1][1]
+        .nonzero_share;
+    assert_eq!(share, 0.5);
 }

@@ -31,6 +31,7 @@ pub fn line(
                 .unwrap_or_else(|| Rating::fresh(&TrueSkillConfig::default())),
             grad_norm: m.grad_norm.get(&id).copied(),
             train_tokens: m.train_tokens.get(&id).copied(),
+            groups: m.member_groups.get(&id).cloned().unwrap_or_default(),
         }
     };
     MetricsLine {
