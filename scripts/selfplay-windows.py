@@ -4,7 +4,8 @@
 Usage: scripts/selfplay-windows.py RUN_DIR [EVERY=8] [COMPARE=14]
 
 Prints one Markdown row per window of EVERY steps (valid and learnable
-proposals, solve rate per task kind, teacher program size, rating spread),
+proposals, solve rate per task kind, share of proposer and solver rollouts
+with a non-zero advantage, teacher program size, rating spread),
 then the last COMPARE steps against the first COMPARE with 95 % bootstrap
 intervals (10,000 resamples, fixed seed).
 """
@@ -16,8 +17,9 @@ import sys
 
 def windows(rows, every):
     print("| steps | valid / proposed | learnable per step | solve rate ded / abd / ind "
+          "| non-zero advantage proposer / solver "
           "| mean AST nodes | mean cyclomatic | μ spread (max − min) | mean σ at end | step s (median) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i in range(0, len(rows), every):
         part = rows[i:i + every]
         valid = sum(d["proposals"]["valid"] for d in part)
@@ -28,9 +30,10 @@ def windows(rows, every):
                          - min(m["rating"]["mu"] for m in d["members"]) for d in part)
         sigma = st.mean(m["rating"]["sigma"] for m in part[-1]["members"])
         solve = " / ".join(fmt(solve_rates(part, k)) for k in KINDS)
+        signal = " / ".join(nonzero_share(part, role) for role in ("proposer", "solver"))
         steps = f"{part[0]['step']}" if len(part) == 1 else f"{part[0]['step']}–{part[-1]['step']}"
         print(f"| {steps} | {valid}/{total} ({valid / max(total, 1):.0%}) "
-              f"| {learnable:.2f} | {solve} | {st.mean(p['ast_nodes'] for p in progs):.1f} "
+              f"| {learnable:.2f} | {solve} | {signal} | {st.mean(p['ast_nodes'] for p in progs):.1f} "
               f"| {st.mean(p['cyclomatic'] for p in progs):.2f} | {spread:.1f} | {sigma:.2f} "
               f"| {st.median(d['wall_ms'] / 1000 for d in part):.0f} |")
 
@@ -40,6 +43,13 @@ KINDS = ["deduction", "abduction", "induction"]
 
 def solve_rates(part, kind):
     return [d["solve_rate"][kind] for d in part if d["solve_rate"].get(kind) is not None]
+
+
+def nonzero_share(part, role):
+    """Rollouts of `role` with a non-zero advantage over the window ("-": not measured)."""
+    groups = [g for d in part for m in d["members"] for g in m.get("groups", []) if g["role"] == role]
+    rollouts = sum(g["rollouts"] for g in groups)
+    return f"{sum(g['nonzero_advantage'] for g in groups) / rollouts:.2f}" if rollouts else "-"
 
 
 def fmt(xs):

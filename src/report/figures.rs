@@ -1,6 +1,6 @@
 //! The line charts of the report, computed from the step metrics: valid and
 //! learnable proposals, problem complexity, solve rate, problem-space
-//! coverage, rewards, fitness and ratings.
+//! coverage, rewards, learning signal, fitness and ratings.
 //!
 //! Colours are stable within a run: a task kind has the same colour in every
 //! figure, and members are coloured in natural id order.
@@ -13,7 +13,7 @@ use super::input::MetricsLine;
 use super::order::{distinct, distinct_ids, id_key, role_rank, sorted};
 use super::scene::{Stroke, BLACK, DASHES, MUTED, PALETTE};
 use crate::rating::Rating;
-use crate::run_files::{ProgramLine, ProposalCounts};
+use crate::run_files::{MemberGroup, ProgramLine, ProposalCounts};
 use crate::task::{Role, TaskKind};
 
 const STEP: &str = "step";
@@ -236,6 +236,69 @@ pub(crate) fn rewards(metrics: &[MetricsLine]) -> LineChart {
         .collect();
     LineChart {
         title: "Mean reward per task kind and role".to_string(),
+        x_label: STEP.to_string(),
+        panels,
+        notes: Vec::new(),
+    }
+}
+
+/// The share of rollouts with a non-zero advantage (the ones that train),
+/// one panel per task kind: over all members (black) and per member, both
+/// roles of a member together. Runs from before this was measured have none.
+pub(crate) fn signal(metrics: &[MetricsLine]) -> LineChart {
+    let members = member_roles(metrics);
+    let kinds: BTreeSet<TaskKind> = metrics
+        .iter()
+        .flat_map(|m| {
+            m.members
+                .iter()
+                .flat_map(|x| x.groups.iter().map(|g| g.kind))
+        })
+        .collect();
+    let share = |groups: &mut dyn Iterator<Item = &MemberGroup>| {
+        let (nonzero, rollouts) = groups.fold((0, 0), |(n, r), g| {
+            (n + g.nonzero_advantage, r + g.rollouts)
+        });
+        (rollouts > 0).then(|| nonzero as f64 / rollouts as f64)
+    };
+    let panels = kinds
+        .into_iter()
+        .map(|kind| {
+            let of_kind = move |g: &&MemberGroup| g.kind == kind;
+            let all = metrics
+                .iter()
+                .filter_map(|m| {
+                    let mut groups = m
+                        .members
+                        .iter()
+                        .flat_map(|x| x.groups.iter().filter(of_kind));
+                    Some((m.step as f64, Some(share(&mut groups)?)))
+                })
+                .collect();
+            let mut series = vec![line("all members", all, Stroke::solid(BLACK, 2.6))];
+            for (i, (id, _)) in members.iter().enumerate() {
+                let points = metrics
+                    .iter()
+                    .filter_map(|m| {
+                        let member = m.members.iter().find(|x| x.id == *id)?;
+                        let v = share(&mut member.groups.iter().filter(of_kind))?;
+                        Some((m.step as f64, Some(v)))
+                    })
+                    .collect::<Vec<_>>();
+                if !points.is_empty() {
+                    series.push(line(id, points, nth_stroke(i, 1.3)));
+                }
+            }
+            Panel {
+                title: Some(kind.name().to_string()),
+                y_label: "non-zero advantage".to_string(),
+                series,
+                y_range: Some((0.0, 1.0)),
+            }
+        })
+        .collect();
+    LineChart {
+        title: "Rollouts with a learning signal per task kind".to_string(),
         x_label: STEP.to_string(),
         panels,
         notes: Vec::new(),

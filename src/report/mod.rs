@@ -12,6 +12,7 @@
 //! | `solve_rate` | student solve rate per task kind |
 //! | `coverage` | cumulative distinct program signatures, overall and per kind |
 //! | `rewards` | mean reward per task kind, for proposers and solvers |
+//! | `signal` | share of rollouts with a non-zero advantage per task kind, overall and per member |
 //! | `fitness` | fitness per member (lines begin at spawn, × at cull or kill) |
 //! | `ratings` | TrueSkill μ per member by role, and every member's σ |
 //! | `lineage` | members over time, spawn edges with operators, culls and kills |
@@ -45,12 +46,13 @@ use html::FigureRef;
 use scene::Scene;
 
 /// The plots [`write`] produces, each as `NAME.svg` and `NAME.png`.
-pub const PLOTS: [&str; 8] = [
+pub const PLOTS: [&str; 9] = [
     "proposals",
     "complexity",
     "solve_rate",
     "coverage",
     "rewards",
+    "signal",
     "fitness",
     "ratings",
     "lineage",
@@ -178,6 +180,11 @@ fn scenes(
             "rewards",
             chart::render(&figures::rewards(m)),
             "Mean reward per task kind, for the proposer role (teachers) and the solver role (students).",
+        ),
+        (
+            "signal",
+            chart::render(&figures::signal(m)),
+            "Share of the rollouts whose TRR++ advantage is not zero, per task kind: all members (black) and each member. A rollout with a zero advantage (its whole advantage group scored alike) adds nothing to the gradient.",
         ),
         (
             "fitness",

@@ -1,7 +1,8 @@
 //! TRR++ (AZR's Task-Relative REINFORCE++) advantages.
 //!
 //! Rewards are normalised separately in each of the six (task kind × role)
-//! groups. The statistics are token-weighted: a rollout's reward counts once
+//! groups, or, where the caller splits them further by [`Rollout::group`]
+//! (one per population member, say), in each (group × kind × role). The statistics are token-weighted: a rollout's reward counts once
 //! per response token, because the advantage is broadcast to every response
 //! token and the loss is a token mean. For group g with weights w (response
 //! tokens) and rewards r:
@@ -49,11 +50,18 @@ pub struct Rollout {
     pub reward: f64,
     /// Response tokens (the tokens the advantage is broadcast to).
     pub tokens: usize,
+    /// The caller's partition on top of (task kind × role): rollouts of
+    /// different groups never share statistics. The same value for every
+    /// rollout (0) gives AZR's six groups.
+    #[serde(default)]
+    pub group: u64,
 }
 
-/// Token-weighted reward statistics of one (task kind × role) group.
+/// Token-weighted reward statistics of one (group × task kind × role).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct GroupStats {
+    /// The rollouts' [`Rollout::group`].
+    pub group: u64,
     pub kind: TaskKind,
     pub role: Role,
     pub rollouts: usize,
@@ -76,7 +84,7 @@ pub fn trr_plus_plus(rollouts: &[Rollout], cfg: &AdvantageConfig) -> Result<Vec<
     Ok(rollouts
         .iter()
         .map(|r| {
-            let g = &groups[&(r.kind, r.role)];
+            let g = &groups[&(r.group, r.kind, r.role)];
             if g.tokens == 0 || g.scale * g.std_scaled <= cfg.std_floor {
                 0.0
             } else {
@@ -86,11 +94,13 @@ pub fn trr_plus_plus(rollouts: &[Rollout], cfg: &AdvantageConfig) -> Result<Vec<
         .collect())
 }
 
-/// The statistics of every group present in `rollouts`, ordered by (kind, role).
+/// The statistics of every group present in `rollouts`, ordered by
+/// (group, kind, role).
 pub fn group_stats(rollouts: &[Rollout]) -> Result<Vec<GroupStats>, Error> {
     Ok(scaled_groups(rollouts)?
         .into_iter()
-        .map(|((kind, role), g)| GroupStats {
+        .map(|((group, kind, role), g)| GroupStats {
+            group,
             kind,
             role,
             rollouts: g.rollouts,
@@ -111,8 +121,10 @@ struct Scaled {
     std_scaled: f64,
 }
 
-fn scaled_groups(rollouts: &[Rollout]) -> Result<BTreeMap<(TaskKind, Role), Scaled>, Error> {
-    let mut members: BTreeMap<(TaskKind, Role), Vec<&Rollout>> = BTreeMap::new();
+type GroupKey = (u64, TaskKind, Role);
+
+fn scaled_groups(rollouts: &[Rollout]) -> Result<BTreeMap<GroupKey, Scaled>, Error> {
+    let mut members: BTreeMap<GroupKey, Vec<&Rollout>> = BTreeMap::new();
     for (index, r) in rollouts.iter().enumerate() {
         if !r.reward.is_finite() {
             return Err(Error::NonFiniteReward {
@@ -120,7 +132,10 @@ fn scaled_groups(rollouts: &[Rollout]) -> Result<BTreeMap<(TaskKind, Role), Scal
                 reward: r.reward,
             });
         }
-        members.entry((r.kind, r.role)).or_default().push(r);
+        members
+            .entry((r.group, r.kind, r.role))
+            .or_default()
+            .push(r);
     }
     Ok(members
         .into_iter()
@@ -164,6 +179,7 @@ mod tests {
             role,
             reward,
             tokens,
+            group: 0,
         }
     }
 
@@ -194,6 +210,32 @@ mod tests {
         ];
         let adv = trr_plus_plus(&rs, &AdvantageConfig::default()).unwrap();
         assert_eq!(adv, vec![1.0, -1.0, 1.0, -1.0]);
+    }
+
+    #[test]
+    fn rollouts_of_different_groups_never_share_statistics() {
+        let mut rs = [
+            rollout(TaskKind::Deduction, Role::Solver, 1.0, 5),
+            rollout(TaskKind::Deduction, Role::Solver, 1.0, 5),
+            rollout(TaskKind::Deduction, Role::Solver, 1.0, 5),
+            rollout(TaskKind::Deduction, Role::Solver, -1.0, 5),
+        ];
+        // One group: the three 1s sit above the mean of 0.5.
+        let pooled = trr_plus_plus(&rs, &AdvantageConfig::default()).unwrap();
+        assert!(pooled[..3].iter().all(|&a| a > 0.0) && pooled[3] < 0.0);
+        // The first two apart: all equal, so exactly zero; the rest ±1.
+        rs[0].group = 7;
+        rs[1].group = 7;
+        let split = trr_plus_plus(&rs, &AdvantageConfig::default()).unwrap();
+        assert_eq!(split, vec![0.0, 0.0, 1.0, -1.0]);
+        let stats = group_stats(&rs).unwrap();
+        assert_eq!(
+            stats
+                .iter()
+                .map(|g| (g.group, g.rollouts))
+                .collect::<Vec<_>>(),
+            [(0, 2), (7, 2)]
+        );
     }
 
     #[test]

@@ -62,9 +62,29 @@ pub struct MemberLine {
     /// from before this was measured).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub train_tokens_run: Option<usize>,
+    /// Its rollouts this step per (task kind × role), and how many of them
+    /// carry a learning signal. Empty when it had none, and in runs from
+    /// before this was measured.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<MemberGroup>,
 }
 
-/// Reward statistics of one (task kind × role) group.
+/// One member's rollouts of one (task kind × role) in a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemberGroup {
+    pub kind: TaskKind,
+    pub role: Role,
+    pub rollouts: usize,
+    pub reward_mean: f64,
+    /// Rollouts with a non-zero TRR++ advantage and a token to train: the
+    /// ones that move the policy (a zero advantage adds exactly 0 to the
+    /// gradient, and the train step skips such rows).
+    pub nonzero_advantage: usize,
+    /// `nonzero_advantage / rollouts`.
+    pub nonzero_share: f64,
+}
+
+/// Reward statistics of one (task kind × role) over every member's rollouts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GroupMetrics {
     pub kind: TaskKind,

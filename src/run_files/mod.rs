@@ -5,7 +5,7 @@
 //!
 //! Compatibility: the JSON (field names, enum tags) is the format every run
 //! has had. A field that older runtimes did not write is an `Option` (`None`
-//! when absent); unknown fields are ignored and an unknown journal event
+//! when absent) or a list (empty when absent); unknown fields are ignored and an unknown journal event
 //! reads as [`Event::Unknown`], so a newer runtime's files stay readable.
 //! `tests/run_files.rs` holds lines exactly as a run writes them.
 
@@ -14,7 +14,8 @@ mod metrics;
 
 pub use journal::{Command, Event, MemberEntry, Source};
 pub use metrics::{
-    GroupMetrics, MemberLine, MetricsLine, ProgramLine, ProposalCounts, TokenMetrics, WireBytes,
+    GroupMetrics, MemberGroup, MemberLine, MetricsLine, ProgramLine, ProposalCounts, TokenMetrics,
+    WireBytes,
 };
 
 /// The metrics log's name inside a run directory.

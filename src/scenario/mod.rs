@@ -312,6 +312,17 @@ pub struct SelfPlaySection {
     /// and backward. Results are the same up to the order of floating-point
     /// sums; off only for side-by-side measurement. Default: true.
     pub share_prefixes: bool,
+    /// Buffer problems every solver gets per task kind per step, 0..=32, on
+    /// top of its matched teachers' problems (AZR's solver trains on buffer
+    /// tasks). They train the solver; no teacher's learnability counts them.
+    /// 0: a solver sees buffer problems only when no matched teacher made a
+    /// valid one (then one per kind). Default: 1.
+    pub buffer_problems: usize,
+    /// How TRR++ forms its advantage groups: `pooled`, one per (task kind ×
+    /// role) over the whole step, every member sharing its baseline (AZR's
+    /// six groups); or `per_member`, one per (member × kind × role). See
+    /// `selfplay::train_rows`. Default: pooled.
+    pub advantage_groups: AdvantageGroups,
     /// Inputs an induction proposer writes, >= 2. Default: 10.
     pub induction_inputs: usize,
     /// Of those, input/output pairs shown to the solver, 1..induction_inputs; the rest
@@ -333,10 +344,22 @@ impl Default for SelfPlaySection {
             constrained: true,
             prefill_answer: false,
             share_prefixes: true,
+            buffer_problems: 1,
+            advantage_groups: AdvantageGroups::Pooled,
             induction_inputs: 10,
             induction_shown: 5,
         }
     }
+}
+
+/// `selfplay.advantage_groups`: the rollouts that share one TRR++ baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageGroups {
+    /// One group per (task kind × role) over every member's rollouts.
+    Pooled,
+    /// One group per (member × task kind × role).
+    PerMember,
 }
 
 // ---------------------------------------------------------------- [rewards]

@@ -494,6 +494,12 @@ fn selfplay(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
         sp.solver_samples,
         "1..",
     )?;
+    v.range(
+        sp.buffer_problems <= 32,
+        "selfplay.buffer_problems",
+        sp.buffer_problems,
+        "0..=32",
+    )?;
     let prompt = sp.max_prompt_tokens;
     v.range(
         (64..=8192).contains(&prompt),

@@ -3,14 +3,15 @@
 //! Every response becomes an [`Episode`] with its AZR reward: a solver's
 //! 1 / −0.5 / −1, a proposer's learnability `1 − acc` (acc from its matched
 //! solvers' rollouts) / −0.5 / −1. TRR++ normalises rewards within each
-//! (task kind × role) group over the whole step's batch, so in a population
-//! the members share one baseline per group, and broadcasts each episode's
-//! advantage to all its response tokens.
+//! advantage group ([`train_rows`]: by default each (task kind × role) over
+//! the whole step's batch, so in a population the members share one baseline
+//! per group) and broadcasts each episode's advantage to all its response
+//! tokens.
 
 use std::collections::BTreeMap;
 
+use super::{AdvantageGroups, Problem, Settings};
 use super::{MemberId, ProposalResult, Result, SolveResult, Verdict};
-use super::{Problem, Settings};
 use crate::compute::{Pick, TrainRow};
 use crate::lora::{clip_grad_norm, AdamW, Adapter, AdapterGrads, StepReport};
 use crate::rl::advantage::{group_stats, GroupStats};
@@ -88,29 +89,76 @@ pub fn episodes(
     proposer.chain(solver).collect()
 }
 
-/// Train rows with TRR++ advantages, and the group statistics behind them.
+/// Train rows with TRR++ advantages, and the step's reward statistics.
 #[derive(Debug, Clone)]
 pub struct TrainBatch {
     pub rows: Vec<TrainRow>,
+    /// One per episode, in the episodes' order (also those without a row).
     pub advantages: Vec<f64>,
+    /// Reward statistics of each (task kind × role) over every member's
+    /// rollouts, whatever the advantage groups.
     pub groups: Vec<GroupStats>,
 }
 
 /// TRR++ over all `episodes`, then one train row per response with a chosen
 /// token: prompt and response tokens, the loss on the response tokens the
 /// policy chose (not those the grammar forced), each under its mask.
+///
+/// The advantage groups ([`Settings::advantage_groups`]):
+/// - `Pooled` (the default): one group per (task kind × role) over every
+///   member's rollouts of the step, AZR's six groups with the members
+///   sharing one baseline and one std per group.
+/// - `PerMember`: one group per (member × kind × role), each member its own.
+///
+/// AZR is a single agent, so it has no answer. Both are REINFORCE with a
+/// batch baseline, and a baseline that does not depend on a rollout's own
+/// sample leaves the expected gradient as it is: the choice is about
+/// variance and about what is thrown away. Per member, the baseline is the
+/// member's own mean over its few rollouts (noisy), and a member whose
+/// rewards in a group are all equal (every answer wrong, say) gets exactly
+/// 0, learning nothing from them; a teacher with one proposal per kind
+/// (`proposals_per_teacher` 1) has one-rollout groups and never learns.
+/// Pooled, the baseline comes from every member's rollouts (twice the
+/// samples for two students), and an all-equal member is pushed relative to
+/// its peers; the price is a baseline off by the members' difference once
+/// they differ, variance that per-member groups would not have.
+///
+/// Measured (issue 38; quickstart, 6 steps, no evolution, `buffer_problems`
+/// 1): pooled, 83 % of the students' rollouts and 61 % of the teachers' had
+/// a non-zero advantage; on the same rollouts per-member groups would give
+/// 68 % and 0 %. The students' means differed no more than sampling noise
+/// (between-member share of the reward variance 0.07, 0.07 expected of equal
+/// students); with `solver_samples` 8 (100 % pooled against 87 %) a small
+/// difference shows (0.08 against 0.04 expected). So the pooled baseline is
+/// barely biased, keeps signal that per-member groups drop, and teachers
+/// need it: pooled is the default. Per member fits once students differ
+/// (after evolution, in larger populations) and teachers propose at least
+/// twice per kind.
 pub fn train_rows(settings: &Settings, episodes: &[Episode]) -> Result<TrainBatch> {
-    let rollouts: Vec<Rollout> = episodes
+    let group = |e: &Episode| match settings.advantage_groups {
+        AdvantageGroups::Pooled => 0,
+        AdvantageGroups::PerMember => e.member,
+    };
+    let pooled: Vec<Rollout> = episodes
         .iter()
         .map(|e| Rollout {
             kind: e.kind,
             role: e.role,
             reward: e.reward,
             tokens: e.chosen_tokens(),
+            group: 0,
         })
         .collect();
-    let advantages = trr_plus_plus(&rollouts, &settings.advantage)?;
-    let groups = group_stats(&rollouts)?;
+    let grouped: Vec<Rollout> = pooled
+        .iter()
+        .zip(episodes)
+        .map(|(r, e)| Rollout {
+            group: group(e),
+            ..*r
+        })
+        .collect();
+    let advantages = trr_plus_plus(&grouped, &settings.advantage)?;
+    let groups = group_stats(&pooled)?;
     let rows = episodes
         .iter()
         .zip(&advantages)

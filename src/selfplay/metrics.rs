@@ -9,8 +9,8 @@ use super::{
 use crate::base::ModelConfig;
 use crate::compute::Cost;
 use crate::rl::reward::solve_rate;
-use crate::run_files::{GroupMetrics, ProposalCounts, TokenMetrics};
-use crate::task::TaskKind;
+use crate::run_files::{GroupMetrics, MemberGroup, ProposalCounts, TokenMetrics};
+use crate::task::{Role, TaskKind};
 use crate::verify::Features;
 
 /// A valid program's complexity, by its author's id.
@@ -38,6 +38,9 @@ pub struct StepMetrics {
     pub tokens: TokenMetrics,
     /// Mean reward of each member's episodes this step.
     pub member_reward: BTreeMap<MemberId, f64>,
+    /// Each member's rollouts per (task kind × role), with how many carry
+    /// a non-zero advantage.
+    pub member_groups: BTreeMap<MemberId, Vec<MemberGroup>>,
     /// Tokens trained per member.
     pub train_tokens: BTreeMap<MemberId, usize>,
     /// Token slots each member's sequences ran through the train step.
@@ -124,6 +127,7 @@ impl StepMetrics {
             programs,
             tokens: token_metrics(settings, episodes),
             member_reward: member_means(episodes),
+            member_groups: member_groups(episodes, &batch.advantages),
             ..Default::default()
         }
     }
@@ -177,6 +181,31 @@ fn token_metrics(settings: &Settings, episodes: &[Episode]) -> TokenMetrics {
         response_mean: episodes.iter().map(|e| e.response.len()).sum::<usize>() as f64 / n,
         truncated: episodes.iter().filter(|e| !stop_ended(e)).count() as f64 / n,
     }
+}
+
+/// Per member and (kind, role): rollouts, mean reward, and those with a
+/// non-zero advantage and a token to train (`advantages` in episode order).
+fn member_groups(episodes: &[Episode], advantages: &[f64]) -> BTreeMap<MemberId, Vec<MemberGroup>> {
+    // (rollouts, reward sum, non-zero)
+    let mut tally: BTreeMap<(MemberId, TaskKind, Role), (usize, f64, usize)> = BTreeMap::new();
+    for (e, &advantage) in episodes.iter().zip(advantages) {
+        let t = tally.entry((e.member, e.kind, e.role)).or_default();
+        t.0 += 1;
+        t.1 += e.reward;
+        t.2 += usize::from(advantage != 0.0 && e.chosen_tokens() > 0);
+    }
+    let mut out: BTreeMap<MemberId, Vec<MemberGroup>> = BTreeMap::new();
+    for ((member, kind, role), (rollouts, reward, nonzero)) in tally {
+        out.entry(member).or_default().push(MemberGroup {
+            kind,
+            role,
+            rollouts,
+            reward_mean: reward / rollouts as f64,
+            nonzero_advantage: nonzero,
+            nonzero_share: nonzero as f64 / rollouts as f64,
+        });
+    }
+    out
 }
 
 fn member_means(episodes: &[Episode]) -> BTreeMap<MemberId, f64> {

@@ -38,6 +38,7 @@ use std::collections::BTreeMap;
 use crate::base::{Message, Tokenizer};
 use crate::compute::{AdapterId, Sampling, TrainConfig};
 use crate::rl::{AdvantageConfig, RewardConfig};
+pub use crate::scenario::AdvantageGroups;
 use crate::scenario::Scenario;
 use crate::task::{ChatPrompt, PromptConfig, TaskKind};
 
@@ -55,6 +56,12 @@ pub struct Settings {
     pub proposals_per_teacher: usize,
     /// Solver rollouts per problem and matched solver: AZR's n (default 8).
     pub solver_samples: usize,
+    /// Buffer problems every solver gets per task kind per step, beside its
+    /// matched proposers' problems (default 1); 0: only as the fallback of a
+    /// solver left without a problem ([`problems`]).
+    pub buffer_problems: usize,
+    /// Which rollouts share one TRR++ baseline ([`train_rows`]; default pooled).
+    pub advantage_groups: AdvantageGroups,
     /// Longest response (default 512).
     pub max_new_tokens: usize,
     /// Sampling of every response (default temperature 1, top-p 1).
@@ -88,6 +95,8 @@ impl Settings {
             },
             proposals_per_teacher: p.proposals_per_teacher,
             solver_samples: p.solver_samples,
+            buffer_problems: p.buffer_problems,
+            advantage_groups: p.advantage_groups,
             max_new_tokens: p.max_new_tokens,
             sampling: Sampling {
                 temperature: p.temperature as f32,
@@ -119,6 +128,8 @@ impl Default for Settings {
             prompt: PromptConfig::default(),
             proposals_per_teacher: 1,
             solver_samples: crate::rl::reward::AZR_SOLVER_ROLLOUTS,
+            buffer_problems: 1,
+            advantage_groups: AdvantageGroups::Pooled,
             max_new_tokens: 512,
             sampling: Sampling::default(),
             constrained: true,
@@ -139,9 +150,10 @@ pub struct Roster {
     /// Each proposer's matched solvers: they solve its problems and its
     /// learnability comes only from them.
     pub matches: BTreeMap<MemberId, Vec<MemberId>>,
-    /// Members that solve. A solver matched to no proposer with a valid
-    /// problem solves one buffer problem per task kind instead, so every
-    /// solver trains every step.
+    /// Members that solve. Each also solves `buffer_problems` buffer
+    /// problems per task kind; with that 0, a solver matched to no proposer
+    /// with a valid problem solves one per kind instead, so every solver
+    /// trains every step.
     pub solvers: Vec<MemberId>,
 }
 

@@ -1,6 +1,8 @@
 //! The solver half of a step: which problems each solver gets, then reading
 //! and scoring the answers.
 
+use std::collections::BTreeSet;
+
 use super::{
     check_len, AcceptedTask, MemberId, ProposalResult, Result, Roster, StepContext, Verdict,
 };
@@ -73,9 +75,13 @@ pub struct SolveResult {
     pub status: Option<Status>,
 }
 
-/// Every valid proposal goes to its author's matched solvers; a solver left
-/// without a problem gets one buffer problem per task kind, drawn from its
-/// own stream.
+/// Every valid proposal goes to its author's matched solvers, and every
+/// solver gets `buffer_problems` problems per task kind from the buffers, as
+/// AZR's solver trains on buffer tasks: they train it, and as they have no
+/// author, no proposer's learnability counts them. With `buffer_problems` 0
+/// a solver gets buffer problems only when left without a problem (then one
+/// per kind), so every solver trains every step. Buffer problems are drawn
+/// from the solver's own stream.
 pub fn problems(
     ctx: &StepContext,
     roster: &Roster,
@@ -106,14 +112,17 @@ pub fn problems(
         };
         tasks.push((Some(i), Some(r.job.author), task, solvers));
     }
+    let matched: BTreeSet<MemberId> = tasks.iter().flat_map(|t| t.3.iter().copied()).collect();
     for &solver in &roster.solvers {
-        if tasks.iter().any(|(_, _, _, s)| s.contains(&solver)) {
-            continue;
-        }
+        let count = match ctx.settings.buffer_problems {
+            0 if matched.contains(&solver) => continue,
+            0 => 1,
+            n => n,
+        };
         let mut rng = keyed_stream!(ctx.seed, "buffer-problems", solver, ctx.step);
         for &kind in &ctx.settings.task_kinds {
             let shown = ctx.settings.prompt.induction_shown;
-            for task in buffers.sample_solver_tasks(kind, 1, shown, &mut rng)? {
+            for task in buffers.sample_solver_tasks(kind, count, shown, &mut rng)? {
                 tasks.push((None, None, task, vec![solver]));
             }
         }

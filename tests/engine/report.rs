@@ -62,8 +62,13 @@ fn step_metrics(step: u64) -> Value {
         .enumerate()
         .map(|(i, (id, role))| {
             let fitness = (s / 3.0 + i as f64).sin() * 0.4 + i as f64 * 0.05;
-            json!({"id": id, "role": role, "subpop": i % 2, "reward_mean": fitness.abs(),
-                   "fitness": fitness, "rating": {"mu": 25.0 + fitness, "sigma": 8.0 - s * 0.1}})
+            let mut line = json!({"id": id, "role": role, "subpop": i % 2, "reward_mean": fitness.abs(),
+                   "fitness": fitness, "rating": {"mu": 25.0 + fitness, "sigma": 8.0 - s * 0.1}});
+            // Runs before step 4 are from before the learning signal was measured.
+            if step >= 4 {
+                line["groups"] = member_groups(step, i, role);
+            }
+            line
         })
         .collect();
     let kinds = ["deduction", "abduction", "induction"];
@@ -112,6 +117,25 @@ fn step_metrics(step: u64) -> Value {
         "tokens": {"prompt_mean": 300.0, "prompt_max": 420, "response_mean": 80.0, "truncated": 0.05},
         "future_field": {"ignored": true}
     })
+}
+
+/// A member's rollouts per task kind in its role, some with a non-zero advantage.
+fn member_groups(step: u64, i: usize, role: &str) -> Value {
+    let (role, rollouts) = if role == "teacher" {
+        ("proposer", 1)
+    } else {
+        ("solver", 8)
+    };
+    let groups: Vec<Value> = ["deduction", "abduction", "induction"]
+        .iter()
+        .enumerate()
+        .map(|(k, kind)| {
+            let nonzero = (step as usize + i + k) % (rollouts + 1);
+            json!({"kind": kind, "role": role, "rollouts": rollouts, "reward_mean": -0.5,
+                   "nonzero_advantage": nonzero, "nonzero_share": nonzero as f64 / rollouts as f64})
+        })
+        .collect();
+    json!(groups)
 }
 
 fn journal(last_step: u64, with_end: bool) -> Vec<Value> {
@@ -300,6 +324,14 @@ fn full_run_writes_every_plot_and_the_page() {
         4,
         "all + three kinds"
     );
+    let (signal, lines) = named(svg_of(&svgs, "signal"), "series");
+    assert!(signal.contains("all members"), "{signal:?}");
+    assert!(
+        !signal.contains("student-1"),
+        "killed before the signal was measured: {signal:?}"
+    );
+    assert_eq!(signal.len(), 10, "all + nine members: {signal:?}");
+    assert_eq!(lines, 3 * 10, "one panel per kind");
     let (fitness, _) = named(svg_of(&svgs, "fitness"), "series");
     assert_eq!(fitness.len(), 10, "every member ever: {fitness:?}");
     assert!(fitness.contains("student-1 (killed 3)") && fitness.contains("student-3 (culled 5)"));

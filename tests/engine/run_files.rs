@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use populora::compute::Cost;
 use populora::rating::Rating;
 use populora::run_files::{
-    Command, Event, GroupMetrics, MemberEntry, MemberLine, MetricsLine, ProgramLine,
+    Command, Event, GroupMetrics, MemberEntry, MemberGroup, MemberLine, MetricsLine, ProgramLine,
     ProposalCounts, Source, TokenMetrics,
 };
 use populora::scenario;
@@ -23,6 +23,9 @@ const METRICS_STEP_1: &str = r#"{"step":1,"wall_ms":1769.8678779999998,"phase_ms
 
 /// Step 3 of tiny.toml: after a kill, an inject and an evolution.
 const METRICS_STEP_3: &str = r#"{"step":3,"wall_ms":2067.5296080000003,"phase_ms":{"compute":1965.9901960000002,"propose":236.856248,"score":25.755688999999997,"solve":481.62794399999996,"train":1250.810528,"validate":43.221725},"members":[{"id":"student-0","role":"student","subpop":0,"reward_mean":-0.5,"fitness":-0.5,"rating":{"mu":17.36216348458826,"sigma":5.846724942261079},"grad_norm":0.0,"train_tokens":330},{"id":"teacher-2","role":"teacher","subpop":1,"reward_mean":-0.3333333333333333,"fitness":-0.3333333333333333,"rating":{"mu":30.988215205628013,"sigma":6.55537037440068},"grad_norm":0.0,"train_tokens":207},{"id":"student-2","role":"student","subpop":1,"reward_mean":-0.5,"fitness":-0.5,"rating":{"mu":25.0,"sigma":8.333333333333334},"grad_norm":0.0,"train_tokens":303},{"id":"student-3","role":"student","subpop":0,"reward_mean":-0.5,"fitness":-0.5,"rating":{"mu":19.011784794371987,"sigma":6.55537037440068},"grad_norm":0.0,"train_tokens":93}],"groups":[{"kind":"deduction","role":"proposer","count":1,"reward_mean":-0.5,"reward_std":0.0},{"kind":"deduction","role":"solver","count":4,"reward_mean":-0.5,"reward_std":0.0},{"kind":"abduction","role":"proposer","count":1,"reward_mean":-0.5,"reward_std":0.0},{"kind":"abduction","role":"solver","count":4,"reward_mean":-0.5,"reward_std":0.0},{"kind":"induction","role":"proposer","count":1,"reward_mean":0.0,"reward_std":0.0},{"kind":"induction","role":"solver","count":6,"reward_mean":-0.4999999999999999,"reward_std":1.1102230246251564e-16}],"proposals":{"total":3,"valid":1,"learnable":0,"rejected":{"runtime_error":1,"syntax_error":1}},"solve_rate":{"deduction":0.0,"abduction":0.0,"induction":0.0},"solver_format_errors":{"deduction":0.0,"abduction":0.0,"induction":0.0},"programs":[{"author":"teacher-2","kind":"induction","ast_nodes":7,"max_depth":5,"node_types":7,"cyclomatic":1}],"tokens":{"prompt_mean":398.2352941176471,"prompt_max":620,"response_mean":107.70588235294117,"truncated":0.17647058823529413},"compute":{"prompt_tokens":6770,"generated_tokens":1831,"trained_tokens":8601,"flops":3731915008.0},"compute_total":{"prompt_tokens":16690,"generated_tokens":4143,"trained_tokens":20833,"flops":9887128064.0}}"#;
+/// A member of a run's step 1 since each member's rollouts per (task kind ×
+/// role) are measured (quickstart, seed 42).
+const MEMBER_WITH_GROUPS: &str = r#"{"id":"student-0","role":"student","subpop":0,"reward_mean":-0.125,"fitness":-0.125,"rating":{"mu":24.142625686523083,"sigma":2.7028351662913637},"grad_norm":0.22123950224354977,"train_tokens":326,"groups":[{"kind":"deduction","role":"solver","rollouts":8,"reward_mean":-0.3125,"nonzero_advantage":8,"nonzero_share":1.0},{"kind":"abduction","role":"solver","rollouts":8,"reward_mean":0.25,"nonzero_advantage":8,"nonzero_share":1.0},{"kind":"induction","role":"solver","rollouts":8,"reward_mean":-0.3125,"nonzero_advantage":8,"nonzero_share":1.0}]}"#;
 
 /// One line of each journal event kind (and both command sources).
 const EVENTS: [&str; 17] = [
@@ -72,7 +75,23 @@ fn metrics_lines_as_runs_write_them() {
     assert_eq!(one.solve_rate[&TaskKind::Induction], Some(0.0));
     assert_eq!(one.programs.len(), 2);
 
+    let student: MemberLine = assert_same_json(MEMBER_WITH_GROUPS);
+    let shares: Vec<_> = student
+        .groups
+        .iter()
+        .map(|g| (g.kind, g.role, g.rollouts, g.nonzero_advantage))
+        .collect();
+    assert_eq!(
+        shares,
+        [
+            (TaskKind::Deduction, Role::Solver, 8, 8),
+            (TaskKind::Abduction, Role::Solver, 8, 8),
+            (TaskKind::Induction, Role::Solver, 8, 8)
+        ]
+    );
+
     let three: MetricsLine = assert_same_json(METRICS_STEP_3);
+    assert!(three.members.iter().all(|m| m.groups.is_empty()));
     assert_eq!(three.step, 3);
     let ids: Vec<&str> = three.members.iter().map(|m| m.id.as_str()).collect();
     assert_eq!(ids, ["student-0", "teacher-2", "student-2", "student-3"]);
@@ -206,6 +225,14 @@ fn sample_line() -> MetricsLine {
                 grad_norm: Some(0.5),
                 train_tokens: Some(300),
                 train_tokens_run: Some(210),
+                groups: vec![MemberGroup {
+                    kind: TaskKind::Abduction,
+                    role: Role::Proposer,
+                    rollouts: 4,
+                    reward_mean: 0.25,
+                    nonzero_advantage: 3,
+                    nonzero_share: 0.75,
+                }],
             },
             MemberLine {
                 id: "student-3".into(),
@@ -217,6 +244,7 @@ fn sample_line() -> MetricsLine {
                 grad_norm: None,
                 train_tokens: None,
                 train_tokens_run: None,
+                groups: Vec::new(),
             },
         ],
         groups: vec![GroupMetrics {

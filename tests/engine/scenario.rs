@@ -3,8 +3,8 @@
 use populora::base::Target;
 use populora::scenario::experiment::Experiment;
 use populora::scenario::{
-    parse_member_id, ErrorKind, EventAction, Fitness, Injection, Mode, ModelSource, Role, Scenario,
-    ScenarioError, TaskKind, TinyModelSection, WeightedOperator,
+    parse_member_id, AdvantageGroups, ErrorKind, EventAction, Fitness, Injection, Mode,
+    ModelSource, Role, Scenario, ScenarioError, TaskKind, TinyModelSection, WeightedOperator,
 };
 use std::path::Path;
 
@@ -105,6 +105,8 @@ const CASES: &[Case] = &[
     ("temperature 2.5", "seed = 1\nsteps = 2\n[selfplay]\ntemperature = 2.5\n", Some("selfplay.temperature"), 4,
      "selfplay.temperature = 2.5 is out of range"),
     ("references 33", "seed = 1\nsteps = 2\n[selfplay]\nreferences = 33\n", Some("selfplay.references"), 4, "0..=32"),
+    ("buffer_problems 33", "seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 33\n", Some("selfplay.buffer_problems"), 4,
+     "selfplay.buffer_problems = 33 is out of range (allowed 0..=32)"),
     ("max_new_tokens 4", "seed = 1\nsteps = 2\n[selfplay]\nmax_new_tokens = 4\n", Some("selfplay.max_new_tokens"), 4,
      "8..=4096"),
     ("lr 2", "seed = 1\nsteps = 2\n[training]\nlr = 2.0\n", Some("training.lr"), 4, "0 < lr <= 1"),
@@ -317,6 +319,10 @@ fn defaults() {
     assert_eq!((sp.temperature, sp.top_p), (1.0, 1.0));
     assert_eq!((sp.induction_inputs, sp.induction_shown), (10, 5));
     assert_eq!(
+        (sp.buffer_problems, sp.advantage_groups),
+        (1, AdvantageGroups::Pooled)
+    );
+    assert_eq!(
         (s.rewards.correct, s.rewards.malformed, s.rewards.wrong),
         (1.0, -1.0, -0.5)
     );
@@ -379,6 +385,20 @@ fn resolved_defaults_depend_on_other_keys() {
         path.model.source,
         ModelSource::Path("models/smollm2.gguf".into())
     );
+}
+
+#[test]
+fn buffer_problems_and_advantage_groups_reach_the_step() {
+    let s = parse(
+        "seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 0\nadvantage_groups = \"per_member\"\n",
+    )
+    .unwrap();
+    let settings = populora::selfplay::Settings::from_scenario(&s);
+    assert_eq!(settings.buffer_problems, 0);
+    assert_eq!(settings.advantage_groups, AdvantageGroups::PerMember);
+    let err =
+        parse("seed = 1\nsteps = 2\n[selfplay]\nadvantage_groups = \"members\"\n").unwrap_err();
+    assert!(err.to_string().contains("advantage_groups"), "{err}");
 }
 
 #[test]

@@ -12,9 +12,10 @@ use populora::keyed_stream;
 use populora::lora::{AdamW, AdamWConfig, Adapter, LoraConfig};
 use populora::rl::ppo_clip_token_loss;
 use populora::selfplay::{
-    self, Grammars, Learner, Roster, Settings, StepContext, StepMetrics, Verdict,
+    self, AdvantageGroups, Episode, Grammars, Learner, Problem, Roster, Settings, StepContext,
+    StepMetrics, Verdict,
 };
-use populora::task::{PromptConfig, TaskBuffers, TaskKind};
+use populora::task::{PromptConfig, Role, TaskBuffers, TaskKind};
 use populora::verify::{SandboxConfig, VerifierPool};
 
 fn tiny() -> (Llama, Tokenizer) {
@@ -141,7 +142,10 @@ const ANSWERS: [[&str; 3]; 2] = [
 #[test]
 fn scripted_step_gives_azr_rewards_and_updates_both_members() {
     let (model, tok) = tiny();
-    let settings = settings(&[TaskKind::Deduction, TaskKind::Abduction]);
+    let settings = Settings {
+        buffer_problems: 0,
+        ..settings(&[TaskKind::Deduction, TaskKind::Abduction])
+    };
     let ctx = StepContext {
         seed: 5,
         step: 1,
@@ -359,6 +363,7 @@ fn generated_steps_on_a_tiny_model_are_reproducible() {
 fn a_proposal_whose_solver_prompt_cannot_fit_is_rejected_not_fatal() {
     let (model, tok) = tiny();
     let mut settings = settings(&[TaskKind::Deduction, TaskKind::Abduction]);
+    settings.buffer_problems = 0;
     // Proposer and deduction prompts fit (≈ 350-540 tokens of the tiny
     // vocabulary); this abduction prompt is ≈ 760.
     let limit = 600;
@@ -410,4 +415,252 @@ fn a_proposal_whose_solver_prompt_cannot_fit_is_rejected_not_fatal() {
     sneaked.job.kind = TaskKind::Abduction;
     let problems = selfplay::problems(&ctx, &roster, &[sneaked], &buffers).unwrap();
     assert!(problems.is_empty(), "{} problems", problems.len());
+}
+
+/// Step 1 of seed 5.
+fn context<'a>(
+    settings: &'a Settings,
+    tokenizer: &'a Tokenizer,
+    grammars: &'a Grammars,
+) -> StepContext<'a> {
+    StepContext {
+        seed: 5,
+        step: 1,
+        settings,
+        tokenizer,
+        grammars,
+    }
+}
+
+/// (proposal, author, kind, solvers) of each problem, in order.
+type Shape = (Option<usize>, Option<u64>, TaskKind, Vec<u64>);
+
+fn shape(problems: &[Problem]) -> Vec<Shape> {
+    problems
+        .iter()
+        .map(|p| (p.proposal, p.author, p.task.kind(), p.solvers.clone()))
+        .collect()
+}
+
+#[test]
+fn every_student_also_solves_buffer_problems_that_no_teacher_is_rewarded_for() {
+    use TaskKind::{Abduction, Deduction};
+    let (model, tok) = tiny();
+    let base = settings(&[Deduction, Abduction]);
+    let (teacher, student, idle) = (0u64, 1u64, 2u64);
+    let learners: BTreeMap<u64, Learner> = [teacher, student, idle]
+        .into_iter()
+        .map(|id| (id, learner(&model, 5, id)))
+        .collect();
+    let set = learners
+        .iter()
+        .fold(AdapterSet::new(), |s, (&id, l)| s.with(id, &l.adapter));
+    // `idle` is matched to no teacher.
+    let roster = Roster {
+        proposers: vec![teacher],
+        matches: BTreeMap::from([(teacher, vec![student])]),
+        solvers: vec![student, idle],
+    };
+    let pool = pool();
+    let mut buffers = TaskBuffers::seeded();
+    let with = |n: usize| Settings {
+        buffer_problems: n,
+        ..base.clone()
+    };
+    let grammars = Grammars::off();
+    let proposals = propose_scripted(
+        &context(&base, &tok, &grammars),
+        &model,
+        &set,
+        &roster,
+        &buffers,
+        &pool,
+        &PROPOSALS,
+    );
+    selfplay::accept(&mut buffers, &proposals).unwrap();
+    let problems = |n: usize| {
+        let settings = with(n);
+        selfplay::problems(
+            &context(&settings, &tok, &grammars),
+            &roster,
+            &proposals,
+            &buffers,
+        )
+        .unwrap()
+    };
+    let proposed: Vec<Shape> = vec![
+        (Some(0), Some(teacher), Deduction, vec![student]),
+        (Some(3), Some(teacher), Abduction, vec![student]),
+    ];
+    let buffer = |solver: u64| -> Vec<Shape> {
+        vec![
+            (None, None, Deduction, vec![solver]),
+            (None, None, Abduction, vec![solver]),
+        ]
+    };
+
+    // 0: only the solver without a problem gets buffer problems.
+    let none = problems(0);
+    assert_eq!(shape(&none), [proposed.clone(), buffer(idle)].concat());
+    // 1: the matched student too, one per kind.
+    let one = problems(1);
+    assert_eq!(
+        shape(&one),
+        [proposed.clone(), buffer(student), buffer(idle)].concat()
+    );
+    // Drawn from each solver's own stream: the idle one's are the fallback's.
+    assert_eq!(one[4].task, none[2].task);
+    assert_eq!(one[5].task, none[3].task);
+    let two = problems(2);
+    assert_eq!(two.len(), 2 + 2 * 2 * 2, "two per kind per solver");
+
+    // Scored: the teacher's learnability comes from its own problems' rollouts
+    // alone; the buffer rollouts ("no idea": malformed, −1) train the students.
+    let settings = with(1);
+    let jobs = selfplay::solve_jobs(&context(&settings, &tok, &grammars), &one);
+    assert_eq!(jobs.len(), 6 * settings.solver_samples);
+    let generations = jobs
+        .iter()
+        .map(|j| {
+            let text = match one[j.problem].proposal {
+                Some(0) => ANSWERS[0][j.sample],
+                Some(_) => ANSWERS[1][j.sample],
+                None => "no idea",
+            };
+            scripted(&model, &tok, &set, j.solver, &one[j.problem].tokens, text)
+        })
+        .collect();
+    let solves = selfplay::judge_solutions(
+        &context(&settings, &tok, &grammars),
+        &one,
+        jobs,
+        generations,
+        &pool,
+    )
+    .unwrap();
+    let episodes = selfplay::episodes(&settings, &proposals, &one, &solves);
+    let proposer: Vec<f64> = episodes
+        .iter()
+        .filter(|e| e.role == Role::Proposer)
+        .map(|e| e.reward)
+        .collect();
+    let want = [2.0 / 3.0, -1.0, -0.5, 1.0 / 3.0];
+    for (got, want) in proposer.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12, "{proposer:?}");
+    }
+    let solver_rewards = |member: u64| -> Vec<f64> {
+        episodes
+            .iter()
+            .filter(|e| e.role == Role::Solver && e.member == member)
+            .map(|e| e.reward)
+            .collect()
+    };
+    let mine = solver_rewards(student);
+    assert_eq!(mine.len(), 4 * 3);
+    assert_eq!(mine[6..], [-1.0; 6], "buffer rollouts: {mine:?}");
+    assert_eq!(solver_rewards(idle), [-1.0; 6]);
+}
+
+/// A solver episode of `member` with `reward` and `tokens` chosen tokens.
+fn episode(member: u64, kind: TaskKind, reward: f64, tokens: usize) -> Episode {
+    let picks = if tokens == 0 {
+        vec![Pick::Forced; 3]
+    } else {
+        vec![Pick::Free; tokens]
+    };
+    Episode {
+        member,
+        kind,
+        role: Role::Solver,
+        prompt: vec![1, 2],
+        response: vec![5; picks.len()],
+        logprobs: vec![-1.0; picks.len()],
+        picks,
+        reward,
+    }
+}
+
+#[test]
+fn advantage_groups_pooled_or_per_member_and_the_nonzero_share() {
+    use TaskKind::{Abduction, Deduction};
+    // Member 1 solved every deduction, member 2 half of them; in abduction
+    // member 1 failed and member 2 solved, and member 1's second abduction
+    // reply was all forced (no token to train, weight 0 in the statistics).
+    let episodes = [
+        episode(1, Deduction, 1.0, 4),
+        episode(1, Deduction, 1.0, 4),
+        episode(2, Deduction, 1.0, 4),
+        episode(2, Deduction, -0.5, 4),
+        episode(2, Deduction, 1.0, 4),
+        episode(2, Deduction, -0.5, 4),
+        episode(1, Abduction, -0.5, 4),
+        episode(2, Abduction, 1.0, 4),
+        episode(1, Abduction, 1.0, 0),
+    ];
+    let settings = |groups| Settings {
+        advantage_groups: groups,
+        ..Settings::default()
+    };
+    let shares = |groups| {
+        let settings = settings(groups);
+        let batch = selfplay::train_rows(&settings, &episodes).unwrap();
+        let m = StepMetrics::measure(1, &settings, &[], &[], &[], &episodes, &batch);
+        let shares: Vec<(u64, TaskKind, usize, usize)> = m
+            .member_groups
+            .iter()
+            .flat_map(|(&id, groups)| {
+                groups
+                    .iter()
+                    .map(move |g| (id, g.kind, g.rollouts, g.nonzero_advantage))
+            })
+            .collect();
+        (batch.advantages, shares)
+    };
+
+    // Pooled: member 1's deductions sit above the shared mean of 0.5;
+    // abduction is −0.5 against 1.0 (mean 0.25, std 0.75).
+    let (pooled, pooled_shares) = shares(AdvantageGroups::Pooled);
+    assert!(pooled[..2].iter().all(|&a| a > 0.0), "{pooled:?}");
+    assert_eq!(pooled[6..], [-1.0, 1.0, 1.0]);
+    // Per member: member 1's all-equal deductions carry nothing, member 2's
+    // are normalised within member 2 alone (mean 0.25, std 0.75).
+    let (own, own_shares) = shares(AdvantageGroups::PerMember);
+    assert_eq!(own[..2], [0.0, 0.0]);
+    assert_eq!(own[2..6], [1.0, -1.0, 1.0, -1.0]);
+    // Member 1's abductions: −0.5 and a 1.0 of weight 0, so std 0 and
+    // zeros; member 2's single abduction has nothing to differ from.
+    assert_eq!(own[6..], [0.0, 0.0, 0.0]);
+
+    // The share counts rollouts with a non-zero advantage and a token to
+    // train: member 1's all-forced abduction never counts.
+    assert_eq!(
+        pooled_shares,
+        [
+            (1, Deduction, 2, 2),
+            (1, Abduction, 2, 1),
+            (2, Deduction, 4, 4),
+            (2, Abduction, 1, 1),
+        ]
+    );
+    assert_eq!(
+        own_shares,
+        [
+            (1, Deduction, 2, 0),
+            (1, Abduction, 2, 0),
+            (2, Deduction, 4, 4),
+            (2, Abduction, 1, 0),
+        ]
+    );
+    let share = StepMetrics::measure(
+        1,
+        &settings(AdvantageGroups::Pooled),
+        &[],
+        &[],
+        &[],
+        &episodes,
+        &selfplay::train_rows(&settings(AdvantageGroups::Pooled), &episodes).unwrap(),
+    )
+    .member_groups[&1][1]
+        .nonzero_share;
+    assert_eq!(share, 0.5);
 }

@@ -567,13 +567,17 @@ fn fuzz_advantages_are_finite_and_normalised_per_group() {
                 },
                 reward: [-1.0, -0.5, 0.0, 0.25, 1.0][rng.random_range(0..5)],
                 tokens: rng.random_range(0..300),
+                group: rng.random_range(0..3),
             })
             .collect();
         let adv = trr_plus_plus(&rollouts, &AdvantageConfig::default()).unwrap();
         assert!(adv.iter().all(|a| a.is_finite()));
         for g in group_stats(&rollouts).unwrap() {
             let members: Vec<usize> = (0..rollouts.len())
-                .filter(|&i| (rollouts[i].kind, rollouts[i].role) == (g.kind, g.role))
+                .filter(|&i| {
+                    let r = &rollouts[i];
+                    (r.group, r.kind, r.role) == (g.group, g.kind, g.role)
+                })
                 .collect();
             let w: f64 = members.iter().map(|&i| rollouts[i].tokens as f64).sum();
             let mean: f64 = members

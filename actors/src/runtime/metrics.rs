@@ -32,6 +32,7 @@ pub fn line(
             grad_norm: m.grad_norm.get(&id).copied(),
             train_tokens: m.train_tokens.get(&id).copied(),
             train_tokens_run: m.train_tokens_run.get(&id).copied(),
+            groups: m.member_groups.get(&id).cloned().unwrap_or_default(),
         }
     };
     MetricsLine {
