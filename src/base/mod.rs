@@ -32,7 +32,7 @@ pub use model::{
     LoraKept, NoLora, Positions,
 };
 pub use target::Target;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{byte_to_char, Tokenizer};
 
 /// A loaded base: weights, tokenizer, and where they came from.
 #[derive(Debug, Clone)]

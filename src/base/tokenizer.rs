@@ -97,7 +97,9 @@ impl Tokenizer {
             .filter_map(|&id| tokens.get(id as usize))
             .map(|t| AddedToken::from(t.clone(), true))
             .collect();
-        inner.add_special_tokens(&added);
+        inner
+            .add_special_tokens(added)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(Self::from_inner(inner, chat, eos_ids))
     }
 

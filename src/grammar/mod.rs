@@ -10,14 +10,15 @@
 //! grammar and the tokens so far, so a seeded row decodes the same every time.
 //!
 //! The engine is llguidance, the structured-output engine that serving stacks
-//! use; the vocabulary comes from `toktrie_hf_tokenizers`. A grammar fixes the
+//! use; the vocabulary is the model's tokenizer's ([`vocabulary`]). A grammar fixes the
 //! syntax of a reply only: whether a program runs is the verifier's business.
+
+mod vocabulary;
 
 use std::sync::Arc;
 
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
-use toktrie_hf_tokenizers::ByteTokenizer;
 
 use crate::base::{kernels, Tokenizer};
 
@@ -60,17 +61,12 @@ impl Vocabulary {
             .stop_ids
             .first()
             .ok_or_else(|| Error::Vocabulary("the tokenizer has no stop token".into()))?;
-        let mut bytes = ByteTokenizer::from_tokenizer(tokenizer.inner().clone())
-            .map_err(|e| Error::Vocabulary(e.to_string()))?;
-        if stop as usize >= bytes.tokrx_info().vocab_size as usize {
+        if stop as usize >= tokenizer.inner().get_vocab_size(true) {
             return Err(Error::Vocabulary(format!(
                 "stop token {stop} is outside the vocabulary"
             )));
         }
-        bytes.set_eos_token(stop);
-        let env = bytes
-            .into_tok_env(Some(size))
-            .map_err(|e| Error::Vocabulary(e.to_string()))?;
+        let env = vocabulary::token_env(tokenizer.inner(), size, stop)?;
         let mut factory =
             ParserFactory::new_simple(&env).map_err(|e| Error::Vocabulary(e.to_string()))?;
         // Problems come back as errors; nothing is printed.
