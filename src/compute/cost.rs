@@ -126,7 +126,9 @@ impl Cost {
     /// it once, as one packed sequence; a row that adds nothing to the
     /// gradient (every advantage 0) counts its tokens but no FLOPs.
     pub fn train_rows(config: &ModelConfig, rows: &[TrainRow]) -> Cost {
-        let mut groups: BTreeMap<(AdapterId, &[u32]), (Vec<usize>, usize)> = BTreeMap::new();
+        // Per (adapter, prompt): the answers' lengths and the tokens scored.
+        type Groups<'a> = BTreeMap<(AdapterId, &'a [u32]), (Vec<usize>, usize)>;
+        let mut groups: Groups = BTreeMap::new();
         let mut skipped = Cost::default();
         for r in rows {
             if r.contributes_nothing() {

@@ -12,6 +12,7 @@
 //! activations ([`tape`]) scale with it, and logits are only formed at scored
 //! positions.
 
+use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
@@ -165,8 +166,16 @@ fn micro_batches(lens: &[usize], budget: usize) -> Vec<std::ops::Range<usize>> {
 struct Pack<'a> {
     adapter: Option<AdapterId>,
     prefix: &'a [u32],
-    /// `(row index, the row's scored (position, target) pairs, its tokens after the prefix)`.
-    tails: Vec<(usize, Vec<(usize, u32)>, &'a [u32])>,
+    tails: Vec<Tail<'a>>,
+}
+
+/// One row of a pack: its index, its scored `(position, target)` pairs, and
+/// its tokens after the pack's prefix.
+#[derive(Debug)]
+struct Tail<'a> {
+    row: usize,
+    scored: Vec<(usize, u32)>,
+    tokens: &'a [u32],
 }
 
 impl<'a> Pack<'a> {
@@ -179,12 +188,16 @@ impl<'a> Pack<'a> {
         Pack {
             adapter,
             prefix: tokens,
-            tails: vec![(row, scored, &[])],
+            tails: vec![Tail {
+                row,
+                scored,
+                tokens: &[],
+            }],
         }
     }
 
     fn width(&self) -> usize {
-        self.prefix.len() + self.tails.iter().map(|t| t.2.len()).sum::<usize>()
+        self.prefix.len() + self.tails.iter().map(|t| t.tokens.len()).sum::<usize>()
     }
 
     /// Each slot's RoPE position and which part it is in (0: the prefix,
@@ -193,9 +206,10 @@ impl<'a> Pack<'a> {
         let p = self.prefix.len();
         let mut positions: Vec<u32> = (0..p as u32).collect();
         let mut part = vec![0; p];
-        for (g, (_, _, tail)) in self.tails.iter().enumerate() {
-            positions.extend((p..p + tail.len()).map(|i| i as u32));
-            part.extend(std::iter::repeat_n(g + 1, tail.len()));
+        for (g, tail) in self.tails.iter().enumerate() {
+            let n = tail.tokens.len();
+            positions.extend((p..p + n).map(|i| i as u32));
+            part.extend(std::iter::repeat_n(g + 1, n));
         }
         (positions, part)
     }
@@ -262,7 +276,11 @@ fn train_packs<'a>(
                     },
                 ));
             }
-            pack.tails.push((i, rows[i].scored(), tail));
+            pack.tails.push(Tail {
+                row: i,
+                scored: rows[i].scored(),
+                tokens: tail,
+            });
         }
         packs.push(pack);
     }
@@ -303,9 +321,9 @@ impl Layout {
             flat.extend_from_slice(pack.prefix);
             let p = pack.prefix.len();
             let mut offset = pad + p;
-            for (row, scored, tail) in &pack.tails {
-                flat.extend_from_slice(tail);
-                for &(t, target) in scored {
+            for tail in &pack.tails {
+                flat.extend_from_slice(tail.tokens);
+                for &(t, target) in &tail.scored {
                     // Token t is predicted from position t-1: in the prefix,
                     // or in this row's tail.
                     let slot = if t - 1 < p {
@@ -315,9 +333,9 @@ impl Layout {
                     };
                     index.push((r * width + slot) as u32);
                     targets.push(target);
-                    owners.push(*row);
+                    owners.push(tail.row);
                 }
-                offset += tail.len();
+                offset += tail.tokens.len();
             }
             positions.push([vec![0; pad], at].concat());
             parts.push((pad, part));
@@ -406,9 +424,9 @@ pub fn logprobs(
             .to_vec1::<f32>()?;
         let mut offset = 0;
         for pack in batch {
-            let (row, scored, _) = &pack.tails[0];
-            out[*row] = values[offset..offset + scored.len()].to_vec();
-            offset += scored.len();
+            let tail = &pack.tails[0];
+            out[tail.row] = values[offset..offset + tail.scored.len()].to_vec();
+            offset += tail.scored.len();
         }
     }
     Ok(out)
@@ -546,9 +564,8 @@ pub fn train_step(
         let scored = r.loss_mask.iter().filter(|&&m| m).count();
         if scored > 0 {
             out.stats.entry(r.adapter).or_default().tokens += scored;
-            if !out.grads.contains_key(&r.adapter) {
-                let adapter = adapters.adapters[&r.adapter];
-                out.grads.insert(r.adapter, zero_grads(adapter)?);
+            if let Entry::Vacant(slot) = out.grads.entry(r.adapter) {
+                slot.insert(zero_grads(adapters.adapters[&r.adapter])?);
             }
         }
     }
@@ -584,10 +601,10 @@ impl PpoTargets {
         tokens_per_adapter: &BTreeMap<AdapterId, usize>,
     ) -> PpoTargets {
         let mut targets = PpoTargets::default();
-        for (i, scored, _) in packs.iter().flat_map(|p| &p.tails) {
-            let r = &rows[*i];
+        for tail in packs.iter().flat_map(|p| &p.tails) {
+            let r = &rows[tail.row];
             let n = tokens_per_adapter[&r.adapter].max(1) as f32;
-            for &(t, _) in scored {
+            for &(t, _) in &tail.scored {
                 targets.advantages.push(r.advantages[t]);
                 targets.old_logprobs.push(r.old_logprobs[t]);
                 targets.weights.push(1.0 / n);

@@ -334,25 +334,12 @@ fn describe(spec: &OperatorSpec) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use populora::base::{Arch, ModelConfig};
+    use populora::base::tiny::{self, TinySpec};
     use populora::lora::LoraConfig;
 
     fn contender(id: MemberId, steps_taken: u64) -> Contender {
-        let model = ModelConfig {
-            arch: Arch::Llama,
-            name: "evolution-test".to_string(),
-            vocab_size: 64,
-            hidden_size: 32,
-            intermediate_size: 48,
-            num_layers: 2,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 8,
-            rope_theta: 10000.0,
-            rms_norm_eps: 1e-5,
-            max_position_embeddings: 128,
-            tie_word_embeddings: true,
-        };
+        let (model, _) = tiny::build(&TinySpec::default()).unwrap();
+        let model = model.config;
         let mut rng = keyed_stream!(id, "evolution-test");
         let config = LoraConfig {
             rank: 4,
