@@ -42,6 +42,8 @@ pub enum Error {
     TooLong { tokens: usize, context: usize },
     #[error("fetching the model failed: {reason}\nto fix: {fix}")]
     Fetch { reason: String, fix: String },
+    #[error("tiny model: {0}")]
+    BadTinySpec(String),
     #[error("candle-transformers peer: {0}")]
     Peer(String),
     #[error("device {0}")]

@@ -43,6 +43,28 @@ impl Default for TinySpec {
 }
 
 impl TinySpec {
+    /// An error naming the sizes unless heads divide `hidden` into even head
+    /// sizes, `kv_heads` divide the heads, every size is at least 1 and the
+    /// vocabulary holds the 259 byte and special tokens.
+    pub fn check(&self) -> Result<()> {
+        let fits = self.heads > 0
+            && self.kv_heads > 0
+            && self.hidden.is_multiple_of(self.heads)
+            && self.heads.is_multiple_of(self.kv_heads)
+            && (self.hidden / self.heads).is_multiple_of(2)
+            && self.layers > 0
+            && self.ffn > 0
+            && self.vocab >= 259;
+        if fits {
+            return Ok(());
+        }
+        Err(super::Error::BadTinySpec(format!(
+            "hidden {} with {} heads and {} kv heads, {} layers, ffn {}, vocab {}: heads must \
+             divide hidden into even head sizes, kv_heads divide heads, vocab be at least 259",
+            self.hidden, self.heads, self.kv_heads, self.layers, self.ffn, self.vocab
+        )))
+    }
+
     /// The default model's shape (SmolLM2-135M-Instruct's `config.json`:
     /// 30 blocks of width 576, 9 query and 3 key/value heads, MLP 1536,
     /// 49152 tokens, tied embeddings): random weights of the real size, for
@@ -128,6 +150,7 @@ fn uniform(rng: &mut impl Rng, shape: &[usize], scale: f32, offset: f32) -> Resu
 
 /// A random model of the given shape, weights drawn from the seeded stream.
 pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
+    spec.check()?;
     let vocab = TinyVocab::new(spec.vocab);
     let config = ModelConfig {
         arch: spec.arch,

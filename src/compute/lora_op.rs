@@ -86,10 +86,9 @@ impl TokenSlots {
 
 /// `Δ [T, out]` for `x [T, in]`, `a [n·r, in]` (the adapters' A side by side)
 /// and `b [n·r, out]` (their scaled Bᵀ), each token row against block
-/// `slots[t]`. Gradients flow to all three when they are tracked: no pass
-/// tracks them today (the train step runs on the CPU with its own backward,
-/// `compute::tape`); the backward and its CUDA kernel are kept, tested
-/// against finite differences, for a train step on the GPU.
+/// `slots[t]`. Gradients flow to all three when they are tracked (no pass
+/// tracks them: the train step's backward off the CPU, `compute::generic_tape`,
+/// calls [`shrink`], [`expand`] and [`outer`] itself).
 pub fn lora_delta(
     x: &Tensor,
     a: &Tensor,
@@ -114,12 +113,64 @@ pub fn lora_delta(
             slots.blocks
         )
     }
-    let op = Delta(Shapes {
-        slots: slots.clone(),
-        rank,
-    });
+    let op = Delta(Shapes::new(slots, rank));
     x.contiguous()?
         .apply_op3(&a.contiguous()?, &b.contiguous()?, op)
+}
+
+/// `s [T, r]`: each token row of `x [T, width]` against its own block of
+/// `a [n·r, width]` (zeros for a row without an adapter): the shrink half of
+/// [`lora_delta`], and with `Bᵀ` for `a` the shrink of its backward.
+pub fn shrink(x: &Tensor, a: &Tensor, slots: &TokenSlots, rank: usize) -> Result<Tensor> {
+    let (rows, width) = x.dims2()?;
+    let (blocks_r, a_width) = a.dims2()?;
+    if rows != slots.len() || a_width != width || blocks_r != slots.blocks * rank {
+        bail!(
+            "lora shrink: x {:?} and factors {:?} do not fit {} token slots over {} blocks of rank {rank}",
+            x.dims(),
+            a.dims(),
+            slots.len(),
+            slots.blocks
+        )
+    }
+    x.contiguous()?
+        .apply_op2_no_bwd(&a.contiguous()?, &Shrink(Shapes::new(slots, rank)))
+}
+
+/// `y [T, out]`: each token row of `s [T, r]` expanded by its own block of
+/// `b [n·r, out]` (zeros for a row without an adapter).
+pub fn expand(s: &Tensor, b: &Tensor, slots: &TokenSlots, rank: usize) -> Result<Tensor> {
+    let (rows, r) = s.dims2()?;
+    let (blocks_r, _) = b.dims2()?;
+    if rows != slots.len() || r != rank || blocks_r != slots.blocks * rank {
+        bail!(
+            "lora expand: s {:?} and factors {:?} do not fit {} token slots over {} blocks of rank {rank}",
+            s.dims(),
+            b.dims(),
+            slots.len(),
+            slots.blocks
+        )
+    }
+    s.contiguous()?
+        .apply_op2_no_bwd(&b.contiguous()?, &Expand(Shapes::new(slots, rank)))
+}
+
+/// `g [n·r, width]`: for each adapter block, the sum over its token rows of
+/// `u[t]ᵀ·v[t]` (`u [T, r]`, `v [T, width]`): the factor gradients of the
+/// backward, `∂A = outer(∂s, x)` and `∂(s·B)ᵀ = outer(s, ∂Δ)`.
+pub fn outer(u: &Tensor, v: &Tensor, slots: &TokenSlots, rank: usize) -> Result<Tensor> {
+    let (rows, r) = u.dims2()?;
+    let (v_rows, _) = v.dims2()?;
+    if rows != slots.len() || v_rows != rows || r != rank {
+        bail!(
+            "lora outer: u {:?} and v {:?} do not fit {} token slots of rank {rank}",
+            u.dims(),
+            v.dims(),
+            slots.len()
+        )
+    }
+    u.contiguous()?
+        .apply_op2_no_bwd(&v.contiguous()?, &Outer(Shapes::new(slots, rank)))
 }
 
 #[derive(Debug, Clone)]
@@ -256,6 +307,13 @@ macro_rules! on_floats {
 }
 
 impl Shapes {
+    fn new(slots: &TokenSlots, rank: usize) -> Shapes {
+        Shapes {
+            slots: slots.clone(),
+            rank,
+        }
+    }
+
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn rows(&self) -> usize {
         self.slots.len()
@@ -383,17 +441,13 @@ impl CustomOp3 for Delta {
         _delta: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let shapes = &self.0;
-        let grad = grad.contiguous()?;
-        let shrink = |p: &Tensor, q: &Tensor| p.apply_op2_no_bwd(q, &Shrink(shapes.clone()));
-        let expand = |p: &Tensor, q: &Tensor| p.apply_op2_no_bwd(q, &Expand(shapes.clone()));
-        let outer = |p: &Tensor, q: &Tensor| p.apply_op2_no_bwd(q, &Outer(shapes.clone()));
-        let s = shrink(x, a)?;
-        let ds = shrink(&grad, b)?;
+        let Shapes { slots, rank } = &self.0;
+        let s = shrink(x, a, slots, *rank)?;
+        let ds = shrink(grad, b, slots, *rank)?;
         Ok((
-            Some(expand(&ds, a)?),
-            Some(outer(&ds, x)?),
-            Some(outer(&s, &grad)?),
+            Some(expand(&ds, a, slots, *rank)?),
+            Some(outer(&ds, x, slots, *rank)?),
+            Some(outer(&s, grad, slots, *rank)?),
         ))
     }
 }

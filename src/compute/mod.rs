@@ -10,7 +10,9 @@ mod cost;
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests;
 mod generate;
+mod generic_tape;
 pub mod lora_op;
+mod memory;
 mod row_adapters;
 mod tape;
 mod train;
@@ -20,11 +22,35 @@ pub use generate::{
     generate, generate_with, generate_with_stats, generate_with_top, sample_token, DecodeOptions,
     DecodeStats, GenRequest, Generation, Pick, Sampling, StopReason,
 };
+pub use memory::TrainMemory;
 pub use row_adapters::{AdapterId, AdapterSet, RowAdapters};
 pub use train::{
-    logprobs, train_step, ScoreRow, TrainConfig, TrainOutput, TrainRow, TrainStats,
-    DEFAULT_TOKEN_BUDGET,
+    logprobs, train_step, train_step_with, ScoreRow, TrainConfig, TrainOutput, TrainRow,
+    TrainStats, DEFAULT_TOKEN_BUDGET,
 };
+
+/// Which backward a train step runs. Both read the activations of the one
+/// forward ([`tape::forward`]) and compute the same gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backward {
+    /// [`tape`]: our CPU kernels, the fastest on a CPU; refuses another device.
+    Tape,
+    /// [`generic_tape`]: the same formulas in candle's device-generic ops and
+    /// the LoRA kernels of [`lora_op`]; on a CPU, the tape's reference.
+    Generic,
+}
+
+impl Backward {
+    /// The backward for a model on `device`: the tape on the CPU, the
+    /// generic one elsewhere.
+    pub fn for_device(device: &candle_core::Device) -> Backward {
+        if device.is_cpu() {
+            Backward::Tape
+        } else {
+            Backward::Generic
+        }
+    }
+}
 
 /// Errors of batched compute.
 #[derive(Debug, thiserror::Error)]

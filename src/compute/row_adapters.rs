@@ -19,10 +19,13 @@
 //! An f32 decode step (one token per row) skips both for one fused pass
 //! ([`kernels::row_lora`]). All three compute the same delta.
 //!
-//! The train step's forward asks the hook to keep what its backward needs:
-//! then every projection goes segment by segment, each segment's `u = x·Aᵀ`
-//! kept, and [`RowAdapters::factor_grads`] later adds `∂A = (∂y·s·B)ᵀ·x` and
-//! `∂B = s·∂yᵀ·u` to that adapter's gradients and the LoRA part of `∂x`.
+//! The train step's forward asks the hook to keep what its backward needs.
+//! For the CPU's tape every projection goes segment by segment, each
+//! segment's `u = x·Aᵀ` kept, and [`RowAdapters::factor_grads`] later adds
+//! `∂A = (∂y·s·B)ᵀ·x` and `∂B = s·∂yᵀ·u` to that adapter's gradients and the
+//! LoRA part of `∂x`. For the generic backward (a model off the CPU,
+//! [`Backward::Generic`]) every token's shrink is kept from the SGMV kernels
+//! and [`RowAdapters::factor_grads_generic`] computes the same with them.
 //!
 //! On a GPU every inference pass goes through [`lora_delta`]: our SGMV kernels shrink
 //! and expand each row against its own adapter's block only, in one launch
@@ -37,7 +40,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, WithDType, D};
 use rayon::prelude::*;
 
-use super::lora_op::{lora_delta, TokenSlots, NO_SLOT};
+use super::lora_op::{self, lora_delta, TokenSlots, NO_SLOT};
+use super::Backward;
 use crate::base::gemm::{self, Threads};
 use crate::base::kernels::{self, Real};
 use crate::base::{LoraHook, LoraKept, ModelConfig, Target};
@@ -154,6 +158,9 @@ pub struct RowAdapters {
     slots: Vec<SlotAdapter>,
     /// The GPU path's per-token slots of the last token count seen.
     token_slots: Mutex<Option<TokenSlots>>,
+    /// What a pass that keeps for a backward keeps: each segment's `x·Aᵀ`
+    /// for the tape, every token's shrink `[tokens, rank]` for the generic one.
+    backward: Backward,
 }
 
 impl RowAdapters {
@@ -224,7 +231,13 @@ impl RowAdapters {
             row_slots,
             slots,
             token_slots: Mutex::new(None),
+            backward: Backward::Tape,
         })
+    }
+
+    /// The same hook, keeping what `backward` reads (the tape's by default).
+    pub fn for_backward(self, backward: Backward) -> Self {
+        RowAdapters { backward, ..self }
     }
 
     /// Every token's block for rows of `tokens` tokens, kept on `device`
@@ -257,6 +270,29 @@ impl RowAdapters {
             &slots,
             self.rank,
         )?;
+        y + delta.reshape((rows, tokens, ()))?
+    }
+
+    /// [`Self::sgmv_add`] in its two halves, keeping the shrink `x·Aᵀ`
+    /// (`[rows·tokens, rank]`, every token against its own block) for
+    /// [`Self::factor_grads_generic`].
+    fn sgmv_keep(
+        &self,
+        f: &ModuleFactors,
+        x: &Tensor,
+        y: Tensor,
+        keep: &mut LoraKept,
+    ) -> candle_core::Result<Tensor> {
+        let (rows, tokens, in_dim) = x.dims3()?;
+        let slots = self.token_slots(tokens, x.device())?;
+        let s = lora_op::shrink(
+            &x.reshape((rows * tokens, in_dim))?,
+            &f.a,
+            &slots,
+            self.rank,
+        )?;
+        let delta = lora_op::expand(&s, &f.b_t, &slots, self.rank)?;
+        *keep = vec![Some(s)];
         y + delta.reshape((rows, tokens, ()))?
     }
 
@@ -379,7 +415,10 @@ impl LoraHook for RowAdapters {
             return Ok(y);
         };
         if let Some(keep) = keep {
-            return Ok(self.segments_add(f, x, y, keep)?);
+            return Ok(match self.backward {
+                Backward::Tape => self.segments_add(f, x, y, keep)?,
+                Backward::Generic => self.sgmv_keep(f, x, y, keep)?,
+            });
         }
         if x.device().is_cuda() {
             return Ok(self.sgmv_add(f, x, y)?);
@@ -500,6 +539,52 @@ impl RowAdapters {
             add_grads(grads, self.slots[slot].id, key, da, db)?;
         }
         Ok(())
+    }
+
+    /// [`Self::factor_grads`] for the generic backward, from the shrink `u`
+    /// that [`Self::sgmv_keep`] kept: with `s` the adapter's scale,
+    /// `∂u = shrink(∂y, (s·B)ᵀ)`, then `∂A = outer(∂u, x)` and
+    /// `∂B = s·outer(u, ∂y)ᵀ` per adapter block.
+    /// Returns the LoRA part of `∂x` (`[tokens, in]`), `None` where no
+    /// adapter of the batch has the module.
+    pub fn factor_grads_generic(
+        &self,
+        key: ModuleKey,
+        x: &Tensor,
+        kept: &LoraKept,
+        dy: &Tensor,
+        grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    ) -> super::Result<Option<Tensor>> {
+        let Some(f) = self.modules.get(&key) else {
+            return Ok(None);
+        };
+        let (n, rows) = (x.dim(0)?, self.row_slots.len());
+        let u = match kept.as_slice() {
+            [Some(u)] if rows > 0 && n % rows == 0 && dy.dim(0)? == n => u,
+            _ => {
+                return Err(candle_core::Error::Msg(format!(
+                    "LoRA backward of {key}: x has {n} tokens and dy {} for {rows} rows, \
+                     {} kept values where the generic backward keeps one",
+                    dy.dim(0)?,
+                    kept.len()
+                ))
+                .into())
+            }
+        };
+        let slots = self.token_slots(n / rows, x.device())?;
+        let rank = self.rank;
+        let du = lora_op::shrink(dy, &f.b_t, &slots, rank)?;
+        let d_a = lora_op::outer(&du, x, &slots, rank)?;
+        let d_bt = lora_op::outer(u, dy, &slots, rank)?;
+        for (slot, adapter) in self.slots.iter().enumerate() {
+            if !f.present[slot] {
+                continue;
+            }
+            let da = d_a.narrow(0, slot * rank, adapter.rank)?;
+            let db = (d_bt.narrow(0, slot * rank, adapter.rank)?.t()? * adapter.scale)?;
+            add_grads(grads, adapter.id, key, da.contiguous()?, db.contiguous()?)?;
+        }
+        Ok(Some(lora_op::expand(&du, &f.a, &slots, rank)?))
     }
 
     /// Threads for each segment's products: the calling one when the segments
@@ -634,6 +719,7 @@ mod tests {
     use super::*;
     use crate::base::tiny::{self, TinySpec};
     use crate::lora::LoraConfig;
+    use crate::test_util::max_abs_diff;
     use candle_core::{DType, Device, Var};
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -736,5 +822,90 @@ mod tests {
             close(&part(&dx), &part(&plain_dx));
         }
         assert_eq!(grads.len(), 2);
+    }
+
+    /// The generic backward's forward keep and factor gradients equal the
+    /// tape's in f64, for a batch with a row that has no adapter and two
+    /// adapters of different ranks; that row's delta and `∂x` are zeros.
+    #[test]
+    fn the_generic_keep_and_backward_equal_the_tapes() {
+        let model = tiny::build(&TinySpec::default()).unwrap().0;
+        let f64_adapter = |seed: u64, rank: usize| {
+            let config = LoraConfig {
+                rank,
+                ..LoraConfig::default()
+            };
+            let mut rng = crate::rng::stream(seed, &["generic".into()]);
+            let mut a = Adapter::new(config, &model.config, &mut rng, &Device::Cpu).unwrap();
+            for m in a.modules.values_mut() {
+                let random = |t: &Var| {
+                    let t = Tensor::randn(0f64, 0.5, t.dims(), &Device::Cpu).unwrap();
+                    Var::from_tensor(&t).unwrap()
+                };
+                *m = crate::lora::LoraModule {
+                    a: random(&m.a),
+                    b: random(&m.b),
+                };
+            }
+            a
+        };
+        let adapters = [f64_adapter(3, 2), f64_adapter(4, 3)];
+        let set = AdapterSet::new()
+            .with(7, &adapters[0])
+            .with(9, &adapters[1]);
+        let rows = [Some(9), None, Some(7), Some(7)];
+        let tape = RowAdapters::new(&set, &rows, &Device::Cpu).unwrap();
+        let generic = RowAdapters::new(&set, &rows, &Device::Cpu)
+            .unwrap()
+            .for_backward(Backward::Generic);
+        let key = *tape.modules.keys().next().unwrap();
+        let (in_dim, out_dim) = key.target.dims(&model.config);
+        let tokens = 5;
+        let x = Tensor::randn(0f64, 1.0, (rows.len(), tokens, in_dim), &Device::Cpu).unwrap();
+        let zeros = Tensor::zeros((rows.len(), tokens, out_dim), DType::F64, &Device::Cpu).unwrap();
+        let close = |a: &Tensor, b: &Tensor| {
+            let scale = max_abs_diff(a, &a.zeros_like().unwrap());
+            let diff = max_abs_diff(a, b);
+            assert!(diff <= 1e-12 * scale.max(1.0), "{diff} of {scale}");
+        };
+        let is_zero = |t: &Tensor| max_abs_diff(t, &t.zeros_like().unwrap()) == 0.0;
+        let (mut kept_tape, mut kept_generic) = (LoraKept::new(), LoraKept::new());
+        let forward = |hook: &RowAdapters, kept: &mut LoraKept| {
+            hook.add_delta(key.layer, key.target, &x, zeros.clone(), Some(kept))
+                .unwrap()
+        };
+        let delta = forward(&generic, &mut kept_generic);
+        close(&forward(&tape, &mut kept_tape), &delta);
+        assert!(is_zero(&delta.narrow(0, 1, 1).unwrap()));
+
+        let flat_x = x.reshape((rows.len() * tokens, in_dim)).unwrap();
+        let dy = Tensor::randn(0f64, 1.0, (rows.len() * tokens, out_dim), &Device::Cpu).unwrap();
+        let (mut grads_tape, mut grads_generic) = (BTreeMap::new(), BTreeMap::new());
+        let mut dx = vec![0f64; flat_x.elem_count()];
+        tape.factor_grads::<f64>(
+            key,
+            &flat_x,
+            &kept_tape,
+            &dy,
+            Some(&mut dx),
+            &mut grads_tape,
+        )
+        .unwrap();
+        let dx_generic = generic
+            .factor_grads_generic(key, &flat_x, &kept_generic, &dy, &mut grads_generic)
+            .unwrap()
+            .unwrap();
+        close(
+            &Tensor::from_vec(dx, flat_x.shape(), &Device::Cpu).unwrap(),
+            &dx_generic,
+        );
+        assert!(is_zero(&dx_generic.narrow(0, tokens, tokens).unwrap()));
+        assert!(grads_tape.keys().eq(grads_generic.keys()));
+        for (id, grads) in &grads_tape {
+            let ((ta, tb), (ga, gb)) = (&grads[&key], &grads_generic[id][&key]);
+            assert_eq!((ta.dims(), tb.dims()), (ga.dims(), gb.dims()));
+            close(ta, ga);
+            close(tb, gb);
+        }
     }
 }

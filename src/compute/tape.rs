@@ -57,18 +57,18 @@ pub fn forward(
 }
 
 /// One micro-batch's pass back through the blocks.
-struct Pass<'a> {
-    model: &'a Llama,
-    lora: &'a RowAdapters,
-    ctx: &'a BlockContext,
-    rows: usize,
-    n: usize,
+pub(super) struct Pass<'a> {
+    pub model: &'a Llama,
+    pub lora: &'a RowAdapters,
+    pub ctx: &'a BlockContext,
+    pub rows: usize,
+    pub n: usize,
 }
 
 /// Scored rows per chunk of the LM head (512: a `[512, 49152]` f32 logits
 /// block is 100 MB, and its gradient overwrites it; the head's two GEMMs ran at
 /// 208–219 GFLOP/s with 512 rows against 166–189 with 256).
-const HEAD_CHUNK_ROWS: usize = 512;
+pub(super) const HEAD_CHUNK_ROWS: usize = 512;
 
 /// The log-probabilities of `targets` at rows `index` of the last block's
 /// output `top` (`[rows·n, hidden]`), and the gradient at `top` of a loss
@@ -123,29 +123,46 @@ pub fn backward<T: Real>(
     model: &Llama,
     lora: &RowAdapters,
     tape: Tape,
-    mut grad: Tensor,
+    grad: Tensor,
     grads: &mut BTreeMap<AdapterId, AdapterGrads>,
 ) -> Result<()> {
-    let Tape { mut saved, ctx } = tape;
-    let Some(first) = saved.first() else {
-        return Ok(());
-    };
-    let (rows, _, n, _) = first.q.dims4()?;
-    let pass = Pass {
-        model,
-        lora,
-        ctx: &ctx,
-        rows,
-        n,
-    };
-    while let Some(s) = saved.pop() {
-        let layer = saved.len();
-        match pass.block_backward::<T>(layer, s, &grad, grads)? {
-            Some(dx) => grad = dx,
-            None => break,
+    tape.down(model, lora, grad, |pass, layer, s, dy| {
+        pass.block_backward::<T>(layer, s, dy, grads)
+    })
+}
+
+impl Tape {
+    /// `block(pass, layer, its activations, ∂loss/∂ its output)` for every
+    /// block, last first, from `grad` at the last block's output; each call
+    /// returns ∂loss/∂ the block's input, `None` to stop (the first block).
+    pub(super) fn down(
+        self,
+        model: &Llama,
+        lora: &RowAdapters,
+        mut grad: Tensor,
+        mut block: impl FnMut(&Pass, usize, BlockActivations, &Tensor) -> Result<Option<Tensor>>,
+    ) -> Result<()> {
+        let Tape { mut saved, ctx } = self;
+        let Some(first) = saved.first() else {
+            return Ok(());
+        };
+        let (rows, _, n, _) = first.q.dims4()?;
+        let pass = Pass {
+            model,
+            lora,
+            ctx: &ctx,
+            rows,
+            n,
+        };
+        while let Some(s) = saved.pop() {
+            let layer = saved.len();
+            match block(&pass, layer, s, &grad)? {
+                Some(dx) => grad = dx,
+                None => break,
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 impl Pass<'_> {
@@ -159,13 +176,13 @@ impl Pass<'_> {
     }
 
     /// `1/√head_dim`, applied to the scores inside the softmax.
-    fn score_scale(&self) -> f64 {
+    pub(super) fn score_scale(&self) -> f64 {
         1.0 / (self.model.config.head_dim as f64).sqrt()
     }
 
     /// Query heads folded per KV head: `[rows, kv_heads, group·n, head_dim]`,
     /// so one matmul serves each group without copying K and V.
-    fn grouped(&self, q: &Tensor) -> Result<Tensor> {
+    pub(super) fn grouped(&self, q: &Tensor) -> Result<Tensor> {
         let cfg = &self.model.config;
         let group = cfg.num_heads / cfg.num_kv_heads;
         Ok(q.reshape((self.rows, cfg.num_kv_heads, group * self.n, cfg.head_dim))?)
@@ -182,14 +199,14 @@ impl Pass<'_> {
     }
 
     /// `[rows, n, heads·hd]` flattened to tokens ↔ `[rows, heads, n, hd]`.
-    fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
+    pub(super) fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
         let hd = self.model.config.head_dim;
         Ok(t.reshape((self.rows, self.n, heads, hd))?
             .transpose(1, 2)?
             .contiguous()?)
     }
 
-    fn merge_heads(&self, t: &Tensor) -> Result<Tensor> {
+    pub(super) fn merge_heads(&self, t: &Tensor) -> Result<Tensor> {
         let (rows, heads, n, hd) = t.dims4()?;
         Ok(t.transpose(1, 2)?
             .contiguous()?

@@ -18,9 +18,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::row_adapters::{AdapterId, AdapterSet, RowAdapters};
-use super::tape;
-use super::{Error, Result};
-use crate::base::kernels::{with_real, Policy, Real};
+use super::{generic_tape, tape};
+use super::{Backward, Error, Result};
+use crate::base::kernels::{with_real, Policy};
 use crate::base::{Llama, Positions};
 use crate::grammar::TokenMask;
 use crate::lora::AdapterGrads;
@@ -493,15 +493,35 @@ fn check_train_row(i: usize, r: &TrainRow, vocab: usize) -> Result<()> {
 /// does not run at all: its tokens still count in the token mean, and an
 /// adapter whose rows all sit out still gets its (zero) gradients, so the
 /// optimizer steps exactly as if they had run.
+///
+/// The backward is the one for the model's device ([`Backward::for_device`]);
+/// the gradients come back on the device of each adapter's factors.
 pub fn train_step(
     model: &Llama,
     adapters: &AdapterSet,
     rows: &[TrainRow],
     config: TrainConfig,
 ) -> Result<TrainOutput> {
-    if !model.device().is_cpu() {
+    train_step_with(
+        model,
+        adapters,
+        rows,
+        config,
+        Backward::for_device(model.device()),
+    )
+}
+
+/// [`train_step`] with the backward named (the tape refuses a model off the CPU).
+pub fn train_step_with(
+    model: &Llama,
+    adapters: &AdapterSet,
+    rows: &[TrainRow],
+    config: TrainConfig,
+    backward: Backward,
+) -> Result<TrainOutput> {
+    if backward == Backward::Tape && !model.device().is_cpu() {
         return Err(Error::Unsupported(
-            "the train step's backward (compute::tape) runs on the CPU only: train with a CPU copy of the model",
+            "the tape backward (compute::tape) runs on the CPU only; a model on another device trains with the generic backward",
         ));
     }
     adapters.check(&model.config)?;
@@ -539,14 +559,14 @@ pub fn train_step(
             continue;
         }
         let layout = Layout::new(model.device(), batch)?;
-        let logps = with_real!(model.embed.dtype(), T => micro_batch_step::<T>(
+        let step = MicroBatch {
             model,
             adapters,
-            &layout,
-            &targets,
-            config.clip,
-            &mut out.grads,
-        ))?;
+            layout: &layout,
+            targets: &targets,
+            clip: config.clip,
+        };
+        let logps = step.run(backward, &mut out.grads)?;
         ratios.add(&targets, &logps, config.clip, &mut out.stats);
         for (&row, &lp) in layout.owners.iter().zip(&logps) {
             out.logprobs[row].get_or_insert_with(Vec::new).push(lp);
@@ -560,6 +580,9 @@ pub fn train_step(
         }
     }
     ratios.finish(&mut out.stats);
+    for (id, grads) in &mut out.grads {
+        to_adapter_device(grads, adapters.adapters[id])?;
+    }
     for r in rows {
         let scored = r.loss_mask.iter().filter(|&&m| m).count();
         if scored > 0 {
@@ -636,29 +659,61 @@ impl PpoTargets {
     }
 }
 
-/// Forward and backward of one micro-batch ([`tape`]). Adds the factor
-/// gradients to `grads`; returns the scored tokens' log-probabilities.
-fn micro_batch_step<T: Real>(
-    model: &Llama,
-    adapters: &AdapterSet,
-    layout: &Layout,
-    targets: &PpoTargets,
+/// Moves each gradient to where `adapter`'s factors live (the model's device
+/// computed it); a no-op on one device.
+fn to_adapter_device(grads: &mut AdapterGrads, adapter: &crate::lora::Adapter) -> Result<()> {
+    for (key, (da, db)) in grads.iter_mut() {
+        if let Some(m) = adapter.modules.get(key) {
+            *da = da.to_device(m.a.device())?;
+            *db = db.to_device(m.b.device())?;
+        }
+    }
+    Ok(())
+}
+
+/// One micro-batch's forward and backward.
+struct MicroBatch<'a> {
+    model: &'a Llama,
+    adapters: &'a AdapterSet<'a>,
+    layout: &'a Layout,
+    targets: &'a PpoTargets,
     clip: f64,
-    grads: &mut BTreeMap<AdapterId, AdapterGrads>,
-) -> Result<Vec<f64>> {
-    let lora = RowAdapters::new(adapters, &layout.adapters, model.device())?;
-    let embeds = model.embed(&layout.tokens)?;
-    let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
-    let (logps, top_grad) = tape::head::<T>(
-        model,
-        &top,
-        &layout.index,
-        &layout.targets,
-        &targets.policies(),
-        |i, lp| targets.weights[i] as f64 * targets.token(i, lp, clip).1,
-    )?;
-    tape::backward::<T>(model, &lora, tape, top_grad, grads)?;
-    Ok(logps)
+}
+
+impl MicroBatch<'_> {
+    /// The forward, saving for `backward`, then the head and `backward`.
+    /// Adds the factor gradients to `grads`; returns the scored tokens'
+    /// log-probabilities.
+    fn run(
+        &self,
+        backward: Backward,
+        grads: &mut BTreeMap<AdapterId, AdapterGrads>,
+    ) -> Result<Vec<f64>> {
+        let (model, layout) = (self.model, self.layout);
+        let lora = RowAdapters::new(self.adapters, &layout.adapters, model.device())?
+            .for_backward(backward);
+        let embeds = model.embed(&layout.tokens)?;
+        let (tape, top) = tape::forward(model, &lora, &embeds, &layout.at)?;
+        let policies = self.targets.policies();
+        let dloss = |i: usize, lp: f64| {
+            self.targets.weights[i] as f64 * self.targets.token(i, lp, self.clip).1
+        };
+        let (index, targets) = (&layout.index, &layout.targets);
+        match backward {
+            Backward::Tape => with_real!(model.embed.dtype(), T => {
+                let (logps, top_grad) =
+                    tape::head::<T>(model, &top, index, targets, &policies, dloss)?;
+                tape::backward::<T>(model, &lora, tape, top_grad, grads)?;
+                Ok(logps)
+            }),
+            Backward::Generic => {
+                let (logps, top_grad) =
+                    generic_tape::head(model, &top, index, targets, &policies, dloss)?;
+                generic_tape::backward(model, &lora, tape, top_grad, grads)?;
+                Ok(logps)
+            }
+        }
+    }
 }
 
 /// Per adapter: the loss, and the sums behind the ratio statistics of the

@@ -54,6 +54,7 @@ impl TinyModelSection {
             heads: self.heads,
             kv_heads: self.kv_heads,
             ffn: self.ffn,
+            vocab: self.vocab,
             max_positions: self.max_positions,
             seed: self.seed,
             ..TinySpec::default()

@@ -99,9 +99,9 @@ pub struct ModelSection {
     /// resolves to `Some` (defaults filled in). Default: None.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tiny: Option<TinyModelSection>,
-    /// Where generation and scoring run: `"cpu"`, `"cuda"` or `"cuda:N"` (a build
-    /// with the `cuda` feature). The train step runs on the CPU whatever this
-    /// says (its backward has no GPU path yet). Default: `"cpu"`.
+    /// Where the base runs, generation, scoring and the train step alike:
+    /// `"cpu"`, `"cuda"` or `"cuda:N"` (a build with the `cuda` feature; the
+    /// train step then runs its generic backward on the device). Default: `"cpu"`.
     pub device: String,
 }
 
@@ -168,6 +168,10 @@ pub struct TinyModelSection {
     pub kv_heads: usize,
     /// MLP intermediate size. Default: 48.
     pub ffn: usize,
+    /// Tokens: the 256 bytes, 3 specials and filler tokens, 259..=262144
+    /// (49152 with the sizes above set to SmolLM2's: its shape with random
+    /// weights). Default: 300.
+    pub vocab: usize,
     /// Longest sequence (prompt + generation). Default: 512.
     pub max_positions: usize,
     /// Seed of the random weights (independent of the scenario seed). Default: 0.
@@ -182,6 +186,7 @@ impl Default for TinyModelSection {
             heads: 4,
             kv_heads: 2,
             ffn: 48,
+            vocab: 300,
             max_positions: 512,
             seed: 0,
         }

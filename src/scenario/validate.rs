@@ -359,6 +359,13 @@ fn model(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
     ] {
         v.range(value >= 1, key, value, "1..")?;
     }
+    let vocab = tiny.vocab;
+    v.range(
+        (259..=262_144).contains(&vocab),
+        "model.tiny.vocab",
+        vocab,
+        "259..=262144",
+    )?;
     if tiny.hidden % tiny.heads != 0 {
         return Err(v.fail(
             "model.tiny.heads",

@@ -8,8 +8,8 @@ use populora::base::tiny::{self, TinySpec};
 use populora::base::Target;
 use populora::base::{Llama, Positions};
 use populora::compute::{
-    self, AdapterSet, GenRequest, Pick, RowAdapters, Sampling, ScoreRow, StopReason, TrainConfig,
-    TrainRow,
+    self, AdapterSet, Backward, GenRequest, Pick, RowAdapters, Sampling, ScoreRow, StopReason,
+    TrainConfig, TrainRow,
 };
 use populora::grammar::{TokenMask, Vocabulary};
 use populora::keyed_stream;
@@ -371,7 +371,11 @@ fn masked_logprobs(model: &Llama, set: &AdapterSet, row: &TrainRow) -> Vec<Optio
 /// The rows of each adapter share a two-token prompt, and one row's
 /// advantages are all 0: with `share`, each prompt is encoded once for its
 /// rows (packed) and that row is skipped.
-fn check_train_step_against_finite_differences(share: bool, micro_batch_tokens: usize) {
+fn check_train_step_against_finite_differences(
+    share: bool,
+    micro_batch_tokens: usize,
+    backward: Backward,
+) {
     let spec = TinySpec {
         hidden: 16,
         heads: 4,
@@ -434,21 +438,9 @@ fn check_train_step_against_finite_differences(share: bool, micro_batch_tokens: 
     // The first row of each adapter is trained under grammar masks: at every
     // scored position, four tokens allowed (the target and three others); the
     // first at temperature 0.7.
-    let vocab = model.config.vocab_size;
     let mut rows = rows;
     rows[0].temperature = 0.7;
-    for row in rows.iter_mut().take(2) {
-        for t in 2..row.tokens.len() {
-            let mut allowed = vec![row.tokens[t]];
-            while allowed.len() < 4 {
-                let other = rng.random_range(0..vocab as u32);
-                if !allowed.contains(&other) {
-                    allowed.push(other);
-                }
-            }
-            row.allowed[t] = Some(TokenMask::from_tokens(&allowed, vocab));
-        }
-    }
+    mask_rows(&mut rows, |i| i < 2, model.config.vocab_size, 1);
     // Old log-probs near the current ones, so ratios sit inside the clip range
     // (away from the kinks of min/clip where finite differences are undefined).
     let scores: Vec<ScoreRow> = rows
@@ -478,7 +470,7 @@ fn check_train_step_against_finite_differences(share: bool, micro_batch_tokens: 
         micro_batch_tokens,
         share_prefixes: share,
     };
-    let out = compute::train_step(&model, &set, &rows, config).unwrap();
+    let out = compute::train_step_with(&model, &set, &rows, config, backward).unwrap();
     // The train step's own forward agrees with scoring: every ratio is
     // exp(-0.05), up to the f32 rounding of the stored old log-probs (≈ 5e-7).
     for stats in out.stats.values() {
@@ -492,7 +484,7 @@ fn check_train_step_against_finite_differences(share: bool, micro_batch_tokens: 
         "the check must cover gradient accumulation"
     );
     let loss = |set: &AdapterSet| -> f64 {
-        let o = compute::train_step(&model, set, &rows, config).unwrap();
+        let o = compute::train_step_with(&model, set, &rows, config, backward).unwrap();
         o.stats.values().map(|s| s.loss).sum()
     };
     let eps = 1e-6;
@@ -542,7 +534,7 @@ fn check_train_step_against_finite_differences(share: bool, micro_batch_tokens: 
 fn train_step_gradients_match_finite_differences_for_every_factor() {
     // Rows by adapter: lengths [7, 4, 5 | 5, 6, 6] → micro-batches
     // [7, 4, 5 | 5] (two segments) and [6, 6].
-    check_train_step_against_finite_differences(false, 28);
+    check_train_step_against_finite_differences(false, 28, Backward::Tape);
 }
 
 #[test]
@@ -550,7 +542,14 @@ fn packed_train_step_gradients_match_finite_differences_for_every_factor() {
     // Packs: adapter 0's prompt with its two live rows (9 tokens), adapter
     // 1's with its two (9), adapter 1's ungrouped row (6) → micro-batches
     // [9 | 9] (two segments) and [6].
-    check_train_step_against_finite_differences(true, 18);
+    check_train_step_against_finite_differences(true, 18, Backward::Tape);
+}
+
+#[test]
+fn generic_backward_gradients_match_finite_differences_for_every_factor() {
+    // The packed layout of the test above, through the backward that runs
+    // off the CPU.
+    check_train_step_against_finite_differences(true, 18, Backward::Generic);
 }
 
 /// Random rollouts in groups that share prompts, as a self-play step makes
@@ -601,10 +600,15 @@ pub fn grouped_rollouts(vocab: u32, seed: u64) -> Vec<TrainRow> {
     if a.prompt_len == b.prompt_len && a.tokens[..a.prompt_len] == b.tokens[..b.prompt_len] {
         b.tokens = a.tokens[..a.tokens.len() - 1].to_vec();
         let n = b.tokens.len();
-        b.loss_mask.truncate(n);
-        b.advantages.truncate(n);
-        b.old_logprobs.truncate(n);
-        b.allowed.truncate(n);
+        // Its own values where it has them, its neighbour's past its end.
+        fn fit<T: Clone>(v: &mut Vec<T>, from: &[T], n: usize) {
+            v.truncate(n);
+            v.extend_from_slice(&from[v.len()..n]);
+        }
+        fit(&mut b.loss_mask, &a.loss_mask, n);
+        fit(&mut b.advantages, &a.advantages, n);
+        fit(&mut b.old_logprobs, &a.old_logprobs, n);
+        fit(&mut b.allowed, &a.allowed, n);
     }
     rows
 }
@@ -631,50 +635,11 @@ pub fn assert_layouts_agree(
     };
     let plain = step(false, 4096);
     let outputs = [step(true, 4096), step(true, split_budget)];
-    let close = |a: f64, b: f64, scale: f64| (a - b).abs() <= tolerance * scale.max(1e-30);
     for out in &outputs {
-        assert!(plain.stats.keys().eq(out.stats.keys()));
-        for (id, s) in &plain.stats {
-            let o = &out.stats[id];
-            assert_eq!(s.tokens, o.tokens, "adapter {id}");
-            assert!(
-                close(s.loss, o.loss, s.loss.abs()),
-                "adapter {id}: {s:?} vs {o:?}"
-            );
-        }
-        assert!(plain.grads.keys().eq(out.grads.keys()));
-        for (id, grads) in &plain.grads {
-            for (key, (ga, gb)) in grads {
-                let (oa, ob) = &out.grads[id][key];
-                for (g, o) in [(ga, oa), (gb, ob)] {
-                    let g = g.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
-                    let o = o.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
-                    let (g, o) = (g.to_vec1::<f64>().unwrap(), o.to_vec1::<f64>().unwrap());
-                    // Relative error in the Frobenius norm.
-                    let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
-                    let diff = g
-                        .iter()
-                        .zip(&o)
-                        .map(|(x, y)| (x - y) * (x - y))
-                        .sum::<f64>();
-                    assert!(
-                        close(0.0, diff.sqrt(), norm),
-                        "adapter {id} {key:?}: |Δ| {} of |g| {norm}",
-                        diff.sqrt()
-                    );
-                }
-            }
-        }
-        for (i, (p, o)) in plain.logprobs.iter().zip(&out.logprobs).enumerate() {
-            if rows[i].contributes_nothing() {
-                assert!(o.is_none(), "row {i} adds nothing, yet it ran");
-                continue;
-            }
-            let (p, o) = (p.as_ref().unwrap(), o.as_ref().unwrap());
-            assert_eq!(p.len(), o.len());
-            for (x, y) in p.iter().zip(o) {
-                assert!(close(*x, *y, x.abs()), "row {i}: {x} vs {y}");
-            }
+        assert_outputs_agree(&plain, out, rows, tolerance);
+        for (i, row) in rows.iter().enumerate() {
+            let skipped = out.logprobs[i].is_none();
+            assert_eq!(skipped, row.contributes_nothing(), "row {i}");
         }
     }
     [
@@ -682,6 +647,118 @@ pub fn assert_layouts_agree(
         outputs[0].tokens_run,
         outputs[1].tokens_run,
     ]
+}
+
+/// Two train steps of `rows` give the same loss per adapter, factor
+/// gradients (relative error in the Frobenius norm) and log-probs, within
+/// `tolerance` relative; a row that did not run in `out` adds nothing.
+fn assert_outputs_agree(
+    plain: &compute::TrainOutput,
+    out: &compute::TrainOutput,
+    rows: &[TrainRow],
+    tolerance: f64,
+) {
+    let close = |a: f64, b: f64, scale: f64| (a - b).abs() <= tolerance * scale.max(1e-30);
+    assert!(plain.stats.keys().eq(out.stats.keys()));
+    for (id, s) in &plain.stats {
+        let o = &out.stats[id];
+        assert_eq!(s.tokens, o.tokens, "adapter {id}");
+        assert!(
+            close(s.loss, o.loss, s.loss.abs()),
+            "adapter {id}: {s:?} vs {o:?}"
+        );
+    }
+    assert!(plain.grads.keys().eq(out.grads.keys()));
+    for (id, grads) in &plain.grads {
+        for (key, (ga, gb)) in grads {
+            let (oa, ob) = &out.grads[id][key];
+            for (g, o) in [(ga, oa), (gb, ob)] {
+                let g = g.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+                let o = o.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+                let (g, o) = (g.to_vec1::<f64>().unwrap(), o.to_vec1::<f64>().unwrap());
+                // Relative error in the Frobenius norm.
+                let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
+                let diff = g
+                    .iter()
+                    .zip(&o)
+                    .map(|(x, y)| (x - y) * (x - y))
+                    .sum::<f64>();
+                assert!(
+                    close(0.0, diff.sqrt(), norm),
+                    "adapter {id} {key:?}: |Δ| {} of |g| {norm}",
+                    diff.sqrt()
+                );
+            }
+        }
+    }
+    for (i, (p, o)) in plain.logprobs.iter().zip(&out.logprobs).enumerate() {
+        let (Some(p), Some(o)) = (p, o) else {
+            assert!(o.is_none() && rows[i].contributes_nothing(), "row {i}");
+            continue;
+        };
+        assert_eq!(p.len(), o.len());
+        for (x, y) in p.iter().zip(o) {
+            assert!(close(*x, *y, x.abs()), "row {i}: {x} vs {y}");
+        }
+    }
+}
+
+/// The generic backward (candle's ops and the LoRA kernels' CPU reference)
+/// gives the tape's loss, factor gradients and log-probs, within `tolerance`
+/// relative, with prompts shared and not, in one micro-batch and in several.
+pub fn assert_backwards_agree(model: &Llama, set: &AdapterSet, rows: &[TrainRow], tolerance: f64) {
+    for (share_prefixes, micro_batch_tokens) in [(false, 4096), (true, 4096), (true, 24)] {
+        let config = TrainConfig {
+            clip: 0.2,
+            micro_batch_tokens,
+            share_prefixes,
+        };
+        let step = |backward| compute::train_step_with(model, set, rows, config, backward).unwrap();
+        let (tape, generic) = (step(Backward::Tape), step(Backward::Generic));
+        assert_outputs_agree(&tape, &generic, rows, tolerance);
+    }
+}
+
+/// Grammar masks on the rows whose index `which` picks: at every position
+/// in the loss, the target and three other tokens allowed.
+pub fn mask_rows(rows: &mut [TrainRow], which: impl Fn(usize) -> bool, vocab: usize, seed: u64) {
+    let mut rng = keyed_stream!(seed, "masks");
+    for (_, row) in rows.iter_mut().enumerate().filter(|(i, _)| which(*i)) {
+        for t in (0..row.tokens.len()).filter(|&t| row.loss_mask[t]) {
+            let mut allowed = vec![row.tokens[t]];
+            while allowed.len() < 4 {
+                let other = rng.random_range(0..vocab as u32);
+                if !allowed.contains(&other) {
+                    allowed.push(other);
+                }
+            }
+            row.allowed[t] = Some(TokenMask::from_tokens(&allowed, vocab));
+        }
+    }
+}
+
+#[test]
+fn the_generic_backward_gives_the_tapes_loss_gradients_and_logprobs() {
+    let model = tiny_model().to_dtype(DType::F64).unwrap();
+    let partial = LoraConfig {
+        rank: 3,
+        alpha: 4.0,
+        targets: vec![Target::Q, Target::K, Target::Up, Target::Down],
+        ..LoraConfig::default()
+    };
+    let adapters = [
+        random_adapter(&model, 60, DType::F64),
+        random_adapter_with(partial, &model, 61, DType::F64),
+        random_adapter(&model, 62, DType::F64),
+    ];
+    let set = AdapterSet::new()
+        .with(0, &adapters[0])
+        .with(1, &adapters[1])
+        .with(2, &adapters[2]);
+    let mut rows = grouped_rollouts(model.config.vocab_size as u32, 4);
+    // Every adapter has masked rows, adapter 1's at temperature 0.8.
+    mask_rows(&mut rows, |i| i % 3 == 0, model.config.vocab_size, 4);
+    assert_backwards_agree(&model, &set, &rows, 1e-9);
 }
 
 #[test]

@@ -68,10 +68,8 @@ impl Usage {
 pub struct Broker;
 
 pub struct BrokerState {
-    /// The train step's base (on the CPU).
+    /// The base, on the scenario's `model.device`: every pass runs on it.
     model: Arc<Llama>,
-    /// Generation's base (the scenario's `model.device`; `model` on the CPU).
-    decode_model: Arc<Llama>,
     train: TrainConfig,
     adapters: BTreeMap<MemberId, Adapter>,
     usage: Usage,
@@ -80,16 +78,15 @@ pub struct BrokerState {
 impl Actor for Broker {
     type Msg = BrokerMsg;
     type State = BrokerState;
-    type Arguments = (Arc<Llama>, Arc<Llama>, TrainConfig);
+    type Arguments = (Arc<Llama>, TrainConfig);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<BrokerMsg>,
-        (model, decode_model, train): Self::Arguments,
+        (model, train): Self::Arguments,
     ) -> Result<BrokerState, ActorProcessingErr> {
         Ok(BrokerState {
             model,
-            decode_model,
             train,
             adapters: BTreeMap::new(),
             usage: Usage::default(),
@@ -111,7 +108,7 @@ impl Actor for Broker {
             }
             BrokerMsg::Generate { requests, reply } => {
                 state.usage.count(requests.len());
-                let model = state.decode_model.clone();
+                let model = state.model.clone();
                 let options = DecodeOptions {
                     share_prefixes: state.train.share_prefixes,
                     ..DecodeOptions::default()

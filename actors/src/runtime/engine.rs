@@ -13,11 +13,11 @@ use populora::verify::SandboxConfig;
 
 /// The frozen base and every setting derived from the scenario.
 pub struct Engine {
-    /// The base on the CPU: the train step's (and the cost count's).
+    /// The base, on the scenario's `model.device`: the one copy that
+    /// generation, scoring and the train step all run on (on a GPU, the
+    /// train step's generic backward; the tokenizer and grammars stay on the
+    /// CPU).
     pub model: Arc<Llama>,
-    /// The base where generation and scoring run (`model.device`): the same
-    /// `Arc` as `model` on the CPU, a GPU copy otherwise.
-    pub decode_model: Arc<Llama>,
     pub tokenizer: Arc<Tokenizer>,
     pub base: BaseRef,
     pub settings: Arc<Settings>,
@@ -35,20 +35,21 @@ impl Engine {
     pub fn load(scenario: &Scenario, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Engine> {
         let (model, tokenizer) = base_model(scenario, progress)?;
         let device = populora::base::device::open(&scenario.model.device)?;
-        let model = Arc::new(model);
-        let decode_model = if device.is_cpu() {
-            model.clone()
+        // Loaded on the CPU, then moved: the CPU copy is dropped here.
+        let model = if device.is_cpu() {
+            model
         } else {
-            Arc::new(model.to_device(&device)?)
+            let on_device = model.to_device(&device)?;
+            drop(model);
+            on_device
         };
-        Engine::on(scenario, model, decode_model, Arc::new(tokenizer))
+        Engine::on(scenario, Arc::new(model), Arc::new(tokenizer))
     }
 
     /// `scenario`'s engine on the base `self` loaded (for a scenario with the
     /// same `[model]`): every setting is `scenario`'s, the weights are shared.
     pub fn reuse_base(&self, scenario: &Scenario) -> anyhow::Result<Engine> {
-        let (model, decode) = (self.model.clone(), self.decode_model.clone());
-        let engine = Engine::on(scenario, model, decode, self.tokenizer.clone())?;
+        let engine = Engine::on(scenario, self.model.clone(), self.tokenizer.clone())?;
         Ok(Engine {
             fingerprint: self.fingerprint.clone(),
             ..engine
@@ -67,7 +68,6 @@ impl Engine {
     fn on(
         scenario: &Scenario,
         model: Arc<Llama>,
-        decode_model: Arc<Llama>,
         tokenizer: Arc<Tokenizer>,
     ) -> anyhow::Result<Engine> {
         let settings = Settings::from_scenario(scenario);
@@ -76,7 +76,6 @@ impl Engine {
         Ok(Engine {
             base: BaseRef::of(&model.config),
             model,
-            decode_model,
             tokenizer,
             settings: Arc::new(settings),
             grammars: Arc::new(grammars),

@@ -37,7 +37,7 @@ pub fn run_stage(scenario: &Scenario, engine: &Engine) -> anyhow::Result<Seeded>
         &engine.settings,
         &engine.tokenizer,
         &engine.grammars,
-        &engine.decode_model,
+        &engine.model,
         &pool,
         config,
     )?;

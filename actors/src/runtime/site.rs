@@ -35,11 +35,7 @@ pub struct LocalSite {
 impl LocalSite {
     /// A broker on `engine`'s base, linked to `supervisor` (as the members will be).
     pub async fn start(engine: &Engine, supervisor: ActorCell) -> anyhow::Result<LocalSite> {
-        let args = (
-            engine.model.clone(),
-            engine.decode_model.clone(),
-            engine.settings.train,
-        );
+        let args = (engine.model.clone(), engine.settings.train);
         let (broker, _) = Actor::spawn_linked(None, Broker, args, supervisor.clone())
             .await
             .context("starting the broker")?;

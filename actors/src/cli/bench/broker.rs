@@ -160,14 +160,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         sequential = sequential.max(n_seq as f64 / t_seq);
     }
 
-    let train = if device.is_cpu() {
-        Some(train_speed(&base, &set, &args)?)
-    } else {
-        // The train step's hand-written backward (compute::tape) runs on the
-        // CPU only: nothing to measure on a GPU yet.
-        None
-    };
-    let grouped = if args.skip_grouped || !device.is_cpu() {
+    let train = train_speed(&base, &set, &args)?;
+    let grouped = if args.skip_grouped {
         None
     } else {
         Some(grouped_speed(&base, &set)?)
@@ -179,11 +173,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "sequential_tok_s": sequential,
         "multi_over_single": multi / single,
         "multi_over_sequential": multi / sequential,
-        "train_tok_s": train.as_ref().map(|t| t.tok_s),
-        "train_gflops": train.as_ref().map(|t| t.gflops),
+        "train_tok_s": train.multi,
+        "train_single_tok_s": train.single,
+        "train_sequential_tok_s": train.sequential,
+        "train_multi_over_single": train.multi / train.single,
+        "train_multi_over_sequential": train.multi / train.sequential,
+        "train_gflops": train.gflops,
         "matmul_gflops": matmul,
-        "train_over_matmul": train.as_ref().map(|t| t.gflops / matmul),
-        "train_micro_batches": train.as_ref().map(|t| t.micro_batches),
+        "train_over_matmul": train.gflops / matmul,
+        "train_micro_batches": train.micro_batches,
         "train_micro_batch_tokens": TrainConfig::default().micro_batch_tokens,
         "grouped": grouped,
         "adapters": ADAPTERS,
@@ -193,18 +191,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "threads": candle_core::utils::get_num_threads(),
         "device": args.model.device,
         "random_weights": args.model.random_weights,
+        "shape": {
+            "hidden": base.config().hidden_size,
+            "layers": base.config().num_layers,
+            "ffn": base.config().intermediate_size,
+            "vocab": base.config().vocab_size,
+        },
     });
     super::report(args.json, &value);
     Ok(())
 }
 
+/// Train-step tokens/s of 8 adapters × 4 rows of `train_len` tokens in one
+/// step (`multi`, with its GFLOP/s), of the same rows all on one adapter
+/// (`single`), and of 8 steps of one adapter's 4 rows each (`sequential`).
 struct TrainSpeed {
-    tok_s: f64,
+    multi: f64,
+    single: f64,
+    sequential: f64,
     gflops: f64,
     micro_batches: usize,
 }
 
-/// Train-step tokens/s and GFLOP/s of 8 adapters × 4 rows of `train_len` tokens.
 fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Result<TrainSpeed> {
     let len = args.train_len;
     let scored = len - len / 4;
@@ -223,19 +231,38 @@ fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Resul
             temperature: 1.0,
         })
         .collect();
-    // Best of `repeats`, as for decode and the GEMM reference: one sample
-    // swings by ±20 % on a shared machine.
-    let mut train_s = f64::MAX;
+    let single_rows: Vec<TrainRow> = rows
+        .iter()
+        .map(|r| TrainRow {
+            adapter: 0,
+            ..r.clone()
+        })
+        .collect();
+    let step = |rows: &[TrainRow]| -> anyhow::Result<(f64, usize)> {
+        let start = Instant::now();
+        let out = compute::train_step(&base.model, set, rows, TrainConfig::default())?;
+        Ok((start.elapsed().as_secs_f64(), out.micro_batches))
+    };
+    // Interleaved, best of `repeats`, as for decode and the GEMM reference:
+    // one sample swings by ±20 % on a shared machine.
+    let (mut multi_s, mut single_s, mut sequential_s) = (f64::MAX, f64::MAX, f64::MAX);
     let mut micro_batches = 0;
     for _ in 0..args.repeats.max(1) {
-        let start = Instant::now();
-        let out = compute::train_step(&base.model, set, &rows, TrainConfig::default())?;
-        train_s = train_s.min(start.elapsed().as_secs_f64());
-        micro_batches = out.micro_batches;
+        let (s, batches) = step(&rows)?;
+        (multi_s, micro_batches) = (multi_s.min(s), batches);
+        single_s = single_s.min(step(&single_rows)?.0);
+        let mut sum = 0.0;
+        for chunk in rows.chunks(ROWS_PER_ADAPTER) {
+            sum += step(chunk)?.0;
+        }
+        sequential_s = sequential_s.min(sum);
     }
+    let tokens = (rows.len() * len) as f64;
     Ok(TrainSpeed {
-        tok_s: (rows.len() * len) as f64 / train_s,
-        gflops: train_flops(base, rows.len(), len, scored) / train_s / 1e9,
+        multi: tokens / multi_s,
+        single: tokens / single_s,
+        sequential: tokens / sequential_s,
+        gflops: train_flops(base, rows.len(), len, scored) / multi_s / 1e9,
         micro_batches,
     })
 }

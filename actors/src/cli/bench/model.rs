@@ -17,6 +17,39 @@ pub struct BenchModel {
     /// only, on a machine that cannot fetch the model (replies are not text).
     #[arg(long, conflicts_with = "model")]
     pub random_weights: bool,
+    /// With `--random-weights`, another shape: `KEY=N,...` over `hidden`,
+    /// `layers`, `heads`, `kv_heads`, `ffn`, `vocab` (the others stay
+    /// SmolLM2's), e.g. `hidden=2048,heads=32,kv_heads=8,ffn=5632,layers=8`.
+    #[arg(long, requires = "random_weights")]
+    pub random_shape: Option<String>,
+}
+
+/// The default model's shape with the sizes `spec` (`KEY=N,...`) names
+/// (checked when it is built).
+fn random_shape(spec: Option<&str>) -> anyhow::Result<base::tiny::TinySpec> {
+    let mut shape = base::tiny::TinySpec::default_model_shape();
+    for part in spec.into_iter().flat_map(|s| s.split(',')) {
+        let (key, value) = part
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--random-shape: {part:?} is not KEY=N"))?;
+        let value: usize = value
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--random-shape: {key} = {value:?} is not a size"))?;
+        let field = match key.trim() {
+            "hidden" => &mut shape.hidden,
+            "layers" => &mut shape.layers,
+            "heads" => &mut shape.heads,
+            "kv_heads" => &mut shape.kv_heads,
+            "ffn" => &mut shape.ffn,
+            "vocab" => &mut shape.vocab,
+            other => anyhow::bail!(
+                "--random-shape: unknown size {other:?} (known: hidden, layers, heads, kv_heads, ffn, vocab)"
+            ),
+        };
+        *field = value;
+    }
+    Ok(shape)
 }
 
 impl BenchModel {
@@ -25,7 +58,7 @@ impl BenchModel {
     pub fn load(&self) -> anyhow::Result<BaseModel> {
         let device = base::device::open(&self.device)?;
         let base = if self.random_weights {
-            let (model, vocab) = base::tiny::build(&base::tiny::TinySpec::default_model_shape())?;
+            let (model, vocab) = base::tiny::build(&random_shape(self.random_shape.as_deref())?)?;
             BaseModel {
                 model,
                 tokenizer: vocab.tokenizer()?,

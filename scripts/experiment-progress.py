@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Where an experiment directory (`populora experiment ... --out DIR`) stands:
+per seed, the seeding stage, and per run the steps done, the compute spent,
+the wall time its steps took (summed `wall_ms`, so pauses between pieces are
+left out) and the median step; then the evaluation's answers so far.
+
+    scripts/experiment-progress.py DIR
+"""
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def run_line(run: Path) -> str:
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        return f"  {run.name}: not started"
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by an interruption: resume rewrites it
+    if not rows:
+        return f"  {run.name}: no step yet"
+    steps = [r["wall_ms"] / 1000 for r in rows]
+    tflop = rows[-1]["compute_total"]["flops"] / 1e12
+    return (
+        f"  {run.name}: {rows[-1]['step']} steps, {tflop:.1f} TFLOP, "
+        f"{sum(steps) / 3600:.2f} h of steps (median {statistics.median(steps):.1f} s)"
+    )
+
+
+def main(out: Path) -> None:
+    for seed in sorted(out.glob("seed-*")):
+        print(seed.name)
+        seeding = seed / "seeding.json"
+        print(f"  seeding: {'done' if seeding.exists() else 'not done'}")
+        for run in ("population", "baseline"):
+            print(run_line(seed / run))
+    items = out / "eval" / "items.jsonl"
+    if items.exists():
+        print(f"evaluation: done, {sum(1 for _ in items.open())} answers")
+    for progress in sorted((out / "eval").glob("progress-*.jsonl")):
+        print(f"evaluation so far, {progress.name}: {sum(1 for _ in progress.open())} lines")
+    if (out / "experiment.json").exists():
+        print("done: experiment.json written")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(Path(sys.argv[1]))

@@ -1,0 +1,147 @@
+//! What a train step holds where the model runs, counted from the shapes:
+//! the frozen weights, the factors of the batch's adapters and their
+//! gradients, one micro-batch's saved activations ([`super::tape`]), and the
+//! largest transients of the backward (a packed row's attention square, a
+//! chunk of the LM head's logits). The optimizer's moments live with the
+//! members, on the host, and are not counted.
+
+use crate::base::{ModelConfig, Target};
+use crate::lora::LoraConfig;
+
+/// Values (not bytes) a train step holds on its device.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainMemory {
+    /// The frozen base: every projection, the embeddings, the LM head
+    /// (once when tied), the norms.
+    pub weights: usize,
+    /// The batch's concatenated factors and their gradients.
+    pub adapters: usize,
+    /// The forward's saved activations, every block, for the micro-batch.
+    pub activations: usize,
+    /// The largest transients of the backward: four attention squares of a
+    /// row as wide as the micro-batch (P, ∂P, and ∂P − Σ∂P⊙P with its
+    /// product by P); three 512-row chunks of the LM head's logits (two at
+    /// a time, the grammar's u8 mask, rounded up).
+    pub transients: usize,
+}
+
+impl TrainMemory {
+    /// A train step of `adapters` adapters of `lora`'s shape on `cfg`, in
+    /// micro-batches of `tokens` tokens.
+    pub fn estimate(cfg: &ModelConfig, lora: &LoraConfig, adapters: usize, tokens: usize) -> Self {
+        let (h, layers) = (cfg.hidden_size, cfg.num_layers);
+        let projections: usize = Target::ALL
+            .iter()
+            .map(|t| {
+                let (inp, out) = t.dims(cfg);
+                inp * out
+            })
+            .sum();
+        let head = if cfg.tie_word_embeddings { 1 } else { 2 };
+        let weights = layers * (projections + 2 * h) + head * cfg.vocab_size * h + h;
+        let factors: usize = lora
+            .targets
+            .iter()
+            .map(|t| {
+                let (inp, out) = t.dims(cfg);
+                lora.rank * (inp + out)
+            })
+            .sum();
+        let adapters = 2 * adapters * layers * factors;
+        let activations = tokens * layers * Self::saved_per_token_and_block(cfg, lora);
+        let attention = 4 * cfg.num_heads * tokens * tokens;
+        let logits = 3 * super::tape::HEAD_CHUNK_ROWS.min(tokens) * cfg.vocab_size;
+        TrainMemory {
+            weights,
+            adapters,
+            activations,
+            transients: attention + logits,
+        }
+    }
+
+    /// What one block's forward saves per token: its input, the two norms'
+    /// outputs, the attention output and the residual (5 × hidden), q, k and
+    /// v, gate and up, and each adapted projection's shrink (rank values).
+    pub fn saved_per_token_and_block(cfg: &ModelConfig, lora: &LoraConfig) -> usize {
+        5 * cfg.hidden_size
+            + cfg.q_dim()
+            + 2 * cfg.kv_dim()
+            + 2 * cfg.intermediate_size
+            + lora.targets.len() * lora.rank
+    }
+
+    /// Every value, at `weight_bytes` per frozen weight and `bytes` per other
+    /// value.
+    pub fn bytes(&self, weight_bytes: usize, bytes: usize) -> usize {
+        self.weights * weight_bytes + (self.adapters + self.activations + self.transients) * bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::Arch;
+
+    /// Qwen2.5-Coder-7B's `config.json`.
+    fn qwen_coder_7b() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen2,
+            name: "Qwen2.5-Coder-7B".into(),
+            vocab_size: 152_064,
+            hidden_size: 3584,
+            intermediate_size: 18_944,
+            num_layers: 28,
+            num_heads: 28,
+            num_kv_heads: 4,
+            head_dim: 128,
+            rope_theta: 1e6,
+            rms_norm_eps: 1e-6,
+            max_position_embeddings: 32_768,
+            tie_word_embeddings: false,
+        }
+    }
+
+    const GB: f64 = 1e9;
+
+    /// SmolLM2's 7k values per token and block (28 KB in f32, the tape's
+    /// figure), and the paper's setting: a 7B base with 4 + 4 adapters of
+    /// rank 32 on every projection, micro-batches of 2048 tokens.
+    #[test]
+    fn a_7b_base_with_eight_rank_32_adapters_fits_an_80_gb_gpu_in_f32() {
+        let smol = crate::base::tiny::TinySpec::default_model_shape();
+        let smol = crate::base::tiny::build(&crate::base::tiny::TinySpec {
+            layers: 1,
+            vocab: 300,
+            ..smol
+        })
+        .unwrap()
+        .0
+        .config;
+        let rank8 = LoraConfig::default();
+        assert_eq!(TrainMemory::saved_per_token_and_block(&smol, &rank8), 6968);
+
+        let cfg = qwen_coder_7b();
+        let lora = LoraConfig {
+            rank: 32,
+            ..LoraConfig::default()
+        };
+        let m = TrainMemory::estimate(&cfg, &lora, 8, 2048);
+        // 7.6 B frozen weights (bias and norms aside).
+        assert!((7.6e9..7.7e9).contains(&(m.weights as f64)), "{m:?}");
+        let f32_total = m.bytes(4, 4) as f64 / GB;
+        let bf16_weights = m.bytes(2, 4) as f64 / GB;
+        let bf16_total = m.bytes(2, 2) as f64 / GB;
+        eprintln!(
+            "7B, 4 + 4 adapters of rank 32, 2048-token micro-batches: weights {:.1} GB f32, \
+             adapters and gradients {:.1} GB, activations {:.1} GB, transients {:.1} GB (f32); \
+             total {f32_total:.1} GB in f32, {bf16_weights:.1} GB with bf16 weights, \
+             {bf16_total:.1} GB all bf16",
+            m.weights as f64 * 4.0 / GB,
+            m.adapters as f64 * 4.0 / GB,
+            m.activations as f64 * 4.0 / GB,
+            m.transients as f64 * 4.0 / GB,
+        );
+        assert!((45.0..60.0).contains(&f32_total), "{f32_total}");
+        assert!(bf16_weights < f32_total - 15.0 && bf16_total < 30.0);
+    }
+}
