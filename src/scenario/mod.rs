@@ -602,17 +602,6 @@ impl Default for SeedingSection {
     }
 }
 
-impl SeedingSection {
-    /// The stage's settings, when there is a stage.
-    pub fn config(&self) -> Option<crate::selfplay::SeedingConfig> {
-        (self.entries > 0).then_some(crate::selfplay::SeedingConfig {
-            entries: self.entries,
-            batch: self.batch,
-            max_rounds: self.max_rounds,
-        })
-    }
-}
-
 // ---------------------------------------------------------------- [[events]]
 
 /// `[[events]]`: a live event scripted into the run, applied at the start of step `at`

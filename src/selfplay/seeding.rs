@@ -22,6 +22,7 @@ use super::{judge_proposals, proposal_jobs, AcceptedTask, Error, MemberId, Resul
 use super::{Grammars, Roster, Settings, StepContext, Verdict};
 use crate::base::{Llama, Tokenizer};
 use crate::compute::{generate_with, AdapterSet, Cost, DecodeOptions};
+use crate::scenario::SeedingSection;
 use crate::task::{TaskBuffers, TaskKind};
 use crate::verify::VerifierPool;
 
@@ -38,6 +39,17 @@ pub struct SeedingConfig {
     pub batch: usize,
     /// Rounds before the stage gives up with an error naming the kinds short.
     pub max_rounds: usize,
+}
+
+impl SeedingConfig {
+    /// The stage `[seeding]` describes, when it has one (`entries` > 0).
+    pub fn of(section: &SeedingSection) -> Option<SeedingConfig> {
+        (section.entries > 0).then_some(SeedingConfig {
+            entries: section.entries,
+            batch: section.batch,
+            max_rounds: section.max_rounds,
+        })
+    }
 }
 
 /// What the stage produced: the buffers training starts from and what it cost.

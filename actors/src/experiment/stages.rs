@@ -16,7 +16,7 @@ use populora::report::experiment::{
 use populora::run_files::MetricsLine;
 use populora::scenario::experiment::{Experiment, LoadedExperiment};
 use populora::scenario::Scenario;
-use populora::selfplay::Seeded;
+use populora::selfplay::{Seeded, SeedingConfig};
 use populora::verify::{SandboxConfig, VerifierPool};
 use rand::seq::SliceRandom;
 
@@ -58,7 +58,7 @@ pub fn with_seed(scenario: &Scenario, seed: u64) -> Scenario {
 /// The seed's seeding stage (`DIR/seeding.json`), run once and then read
 /// back; `None` when the scenario has none.
 pub fn seeding(dir: &Path, population: &Scenario) -> anyhow::Result<Option<Seeded>> {
-    if population.seeding.config().is_none() {
+    if SeedingConfig::of(&population.seeding).is_none() {
         return Ok(None);
     }
     let path = dir.join(seeding::SEEDING_FILE);

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use populora::lora::{AdamW, Adapter};
 use populora::rating::{Rating, TrueSkillConfig};
 use populora::scenario::{check_operator, Scenario};
-use populora::selfplay::{Learner, MemberId, Seeded};
+use populora::selfplay::{Learner, MemberId, Seeded, SeedingConfig};
 use ractor::Actor;
 use tokio::sync::{mpsc, oneshot};
 
@@ -100,7 +100,7 @@ fn fresh_with(
     std::fs::write(dir.scenario(), scenario.to_toml())?;
     let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
     let mut league = League::new(&scenario, Rating::fresh(&TrueSkillConfig::default()));
-    let seeding = match (scenario.seeding.config(), seeded) {
+    let seeding = match (SeedingConfig::of(&scenario.seeding), seeded) {
         (None, _) => None,
         (Some(_), Some(seeded)) => Some(seeded),
         (Some(_), None) => Some(seeding::run_stage(&scenario, &engine)?),
@@ -364,7 +364,7 @@ pub fn replay(
         std::fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
     }
     // The recorded seeding stage, not a new one: its checksum is compared below.
-    let seeded = match scenario.seeding.config() {
+    let seeded = match SeedingConfig::of(&scenario.seeding) {
         Some(_) => Some(seeding::load(&root.join(seeding::SEEDING_FILE))?.0),
         None => None,
     };

@@ -10,7 +10,7 @@ use std::path::Path;
 use anyhow::{bail, Context};
 use populora::run_files::Event;
 use populora::scenario::Scenario;
-use populora::selfplay::{seed_buffers, Seeded};
+use populora::selfplay::{seed_buffers, Seeded, SeedingConfig};
 use populora::task::TaskKind;
 use populora::verify::VerifierPool;
 use sha2::{Digest, Sha256};
@@ -23,9 +23,7 @@ pub const SEEDING_FILE: &str = "seeding.json";
 /// Runs the stage for `scenario` (its seed, `[seeding]` and self-play
 /// settings) on `engine`'s base, validating in a sandbox pool of its own.
 pub fn run_stage(scenario: &Scenario, engine: &Engine) -> anyhow::Result<Seeded> {
-    let config = scenario
-        .seeding
-        .config()
+    let config = SeedingConfig::of(&scenario.seeding)
         .context("the scenario has no seeding stage (seeding.entries = 0)")?;
     eprintln!(
         "seeding: the base model proposes until each buffer holds {} tasks",
@@ -53,7 +51,7 @@ pub fn run_stage(scenario: &Scenario, engine: &Engine) -> anyhow::Result<Seeded>
 
 /// `seeded` is what `scenario` asks for: its seed and `[seeding]`.
 pub fn check(seeded: &Seeded, scenario: &Scenario, origin: &Path) -> anyhow::Result<()> {
-    let wanted = scenario.seeding.config();
+    let wanted = SeedingConfig::of(&scenario.seeding);
     if seeded.seed != scenario.seed || Some(seeded.config) != wanted {
         bail!(
             "{} was seeded with seed {} and {:?}, the scenario asks for seed {} and {:?}",
