@@ -12,27 +12,12 @@ over seeds of that window's value. Then, per arm, the updates and rollouts
 each adapter trained on, which is what separates "one adapter, many updates"
 from "eight adapters, fewer each".
 """
-import importlib.util
 import json
 import statistics as st
 import sys
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "selfplay_windows", Path(__file__).with_name("selfplay-windows.py"))
-windows_lib = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(windows_lib)
-KINDS = windows_lib.KINDS
-
-
-def load(run: Path):
-    rows = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut by an interruption
-    return rows
+from selfplay_metrics import KINDS, load_rows, nonzero_share, rating_spread, solve_rates
 
 
 def by_compute(rows, total, count):
@@ -59,15 +44,13 @@ def window_values(part):
         "learnable": learnable / max(valid, 1),
         "ast": st.mean(programs) if programs else None,
         # A lone adapter has no opponent to be rated against.
-        "spread": None if solo else st.mean(
-            max(m["rating"]["mu"] for m in d["members"])
-            - min(m["rating"]["mu"] for m in d["members"]) for d in part),
+        "spread": None if solo else st.mean(rating_spread(d) for d in part),
     }
     for kind in KINDS:
-        rates = windows_lib.solve_rates(part, kind)
+        rates = solve_rates(part, kind)
         values[kind] = st.mean(rates) if rates else None
     for role in ("proposer", "solver"):
-        share = windows_lib.nonzero_share(part, role)
+        share = nonzero_share(part, role)
         values[role] = None if share == "-" else float(share)
     return values
 
@@ -88,8 +71,8 @@ def dynamics_table(seeds, count):
     for arm in ("population", "baseline"):
         per_seed = []
         for seed in seeds:
-            total = load(seed / "population")[-1]["compute_total"]["flops"]
-            per_seed.append([window_values(p) for p in by_compute(load(seed / arm), total, count)])
+            total = load_rows(seed / "population")[-1]["compute_total"]["flops"]
+            per_seed.append([window_values(p) for p in by_compute(load_rows(seed / arm), total, count)])
         for k in range(count):
             cells = [windows[k] for windows in per_seed if windows[k] is not None]
             if not cells:
@@ -108,7 +91,7 @@ def updates_table(seeds):
     print("|---|---|---|---|---|---|")
     for seed in seeds:
         for arm in ("population", "baseline"):
-            rows = load(seed / arm)
+            rows = load_rows(seed / arm)
             steps, rollouts = {}, {}
             for d in rows:
                 for m in d["members"]:
@@ -148,7 +131,7 @@ def members_table(out: Path, seeds):
     print("|" + "---|" * len(header))
     for seed in seeds:
         run = seed / "population"
-        rows, spawned = load(run), spawn_steps(run)
+        rows, spawned = load_rows(run), spawn_steps(run)
         last = rows[-1]["step"]
         number = int(seed.name.split("-")[1])
         for m in sorted(m["id"] for m in rows[-1]["members"]):

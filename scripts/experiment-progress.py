@@ -6,22 +6,18 @@ left out) and the median step; then the evaluation's answers so far.
 
     scripts/experiment-progress.py DIR
 """
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from selfplay_metrics import load_rows
 
 
 def run_line(run: Path) -> str:
     metrics = run / "metrics.jsonl"
     if not metrics.exists():
         return f"  {run.name}: not started"
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line cut by an interruption: resume rewrites it
+    rows = load_rows(run)
     if not rows:
         return f"  {run.name}: no step yet"
     steps = [r["wall_ms"] / 1000 for r in rows]

@@ -9,10 +9,11 @@ with a non-zero advantage, teacher program size, rating spread),
 then the last COMPARE steps against the first COMPARE with 95 % bootstrap
 intervals (10,000 resamples, fixed seed).
 """
-import json
 import random
 import statistics as st
 import sys
+
+from selfplay_metrics import KINDS, load_rows, nonzero_share, rating_spread, solve_rates
 
 
 def windows(rows, every):
@@ -26,8 +27,7 @@ def windows(rows, every):
         total = sum(d["proposals"]["total"] for d in part)
         learnable = st.mean(d["proposals"].get("learnable", 0) for d in part)
         progs = [p for d in part for p in d["programs"]] or [{"ast_nodes": 0, "cyclomatic": 0}]
-        spread = st.mean(max(m["rating"]["mu"] for m in d["members"])
-                         - min(m["rating"]["mu"] for m in d["members"]) for d in part)
+        spread = st.mean(rating_spread(d) for d in part)
         sigma = st.mean(m["rating"]["sigma"] for m in part[-1]["members"])
         solve = " / ".join(fmt(solve_rates(part, k)) for k in KINDS)
         signal = " / ".join(nonzero_share(part, role) for role in ("proposer", "solver"))
@@ -36,20 +36,6 @@ def windows(rows, every):
               f"| {learnable:.2f} | {solve} | {signal} | {st.mean(p['ast_nodes'] for p in progs):.1f} "
               f"| {st.mean(p['cyclomatic'] for p in progs):.2f} | {spread:.1f} | {sigma:.2f} "
               f"| {st.median(d['wall_ms'] / 1000 for d in part):.0f} |")
-
-
-KINDS = ["deduction", "abduction", "induction"]
-
-
-def solve_rates(part, kind):
-    return [d["solve_rate"][kind] for d in part if d["solve_rate"].get(kind) is not None]
-
-
-def nonzero_share(part, role):
-    """Rollouts of `role` with a non-zero advantage over the window ("-": not measured)."""
-    groups = [g for d in part for m in d["members"] for g in m.get("groups", []) if g["role"] == role]
-    rollouts = sum(g["rollouts"] for g in groups)
-    return f"{sum(g['nonzero_advantage'] for g in groups) / rollouts:.2f}" if rollouts else "-"
 
 
 def fmt(xs):
@@ -82,8 +68,7 @@ def main():
     run = sys.argv[1]
     every = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 14
-    with open(f"{run}/metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    rows = load_rows(run)
     windows(rows, every)
     compare(rows, count)
 

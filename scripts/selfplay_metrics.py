@@ -1,0 +1,37 @@
+"""What the scripts read from a run's metrics.jsonl (one JSON row per step):
+the rows themselves and the per-step measures more than one script reports.
+"""
+import json
+from pathlib import Path
+
+KINDS = ["deduction", "abduction", "induction"]
+
+
+def load_rows(run):
+    """The step rows of `run`'s metrics.jsonl. A last line cut by an interruption
+    is left out: resuming the run rewrites it."""
+    rows = []
+    for line in (Path(run) / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def solve_rates(part, kind):
+    """The solve rate of `kind` at each step of `part` that had a problem of that kind."""
+    return [d["solve_rate"][kind] for d in part if d["solve_rate"].get(kind) is not None]
+
+
+def nonzero_share(part, role):
+    """Rollouts of `role` with a non-zero advantage over the window ("-": not measured)."""
+    groups = [g for d in part for m in d["members"] for g in m.get("groups", []) if g["role"] == role]
+    rollouts = sum(g["rollouts"] for g in groups)
+    return f"{sum(g['nonzero_advantage'] for g in groups) / rollouts:.2f}" if rollouts else "-"
+
+
+def rating_spread(row):
+    """μ of the best-rated member minus μ of the worst at one step."""
+    mus = [m["rating"]["mu"] for m in row["members"]]
+    return max(mus) - min(mus)
