@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""An experiment's result (`populora experiment ... --out DIR`, its experiment.json)
+as the Markdown tables of a write-up: the compute of every run, then for each
+matching the pooled differences with their 95 % intervals, then a row per seed.
+
+Usage: scripts/experiment-tables.py DIR
+
+Scores are the reported problems' (the selection split only chooses best and
+weakest); pooled scores are means over seeds, as the differences are.
+"""
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+BENCHMARKS = {
+    "humaneval": "HumanEval pass@1",
+    "humaneval-io-output": "HumanEval-IO output prediction",
+    "humaneval-io-input": "HumanEval-IO input prediction",
+}
+MATCHINGS = {
+    "per_adapter": "per adapter (baseline at one member's share of the compute: the paper's matching)",
+    "total": "whole population (baseline at the population's whole compute: the strict matching)",
+}
+
+
+def pts(x):
+    return f"{100 * x:.1f} %"
+
+
+def interval(d):
+    """A difference in points with its interval, in bold when the interval excludes 0."""
+    text = f"{100 * d['estimate']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}]"
+    return f"**{text}**" if d["low"] > 0 or d["high"] < 0 else text
+
+
+def tflop(compute):
+    return compute["flops"] / 1e12
+
+
+def compute_table(summary):
+    print("| seed | seeding | population | baseline (whole-population matching) | per-adapter mark |")
+    print("|---|---|---|---|---|")
+    for s in summary["seeds"]:
+        p, b, m, sd = s["population"], s["baseline"], s["mark"], s.get("seeding")
+        seeding = (f"{tflop(sd['compute']):.1f} TFLOP, {sd['valid']}/{sd['proposals']} valid "
+                   f"in {sd['rounds']} rounds") if sd else "-"
+        gap = tflop(b["compute"]) / tflop(p["compute"]) - 1
+        mark_gap = m["spent_tflop"] / m["target_tflop"] - 1
+        print(f"| {s['seed']} | {seeding} "
+              f"| {p['steps']} steps, {tflop(p['compute']):.1f} TFLOP, {p['wall_s'] / 3600:.2f} h "
+              f"| {b['steps']} steps, {tflop(b['compute']):.1f} TFLOP ({100 * gap:+.2f} %), "
+              f"{b['wall_s'] / 3600:.2f} h "
+              f"| step {m['step']}: {m['spent_tflop']:.2f} of {m['target_tflop']:.2f} TFLOP "
+              f"({100 * mark_gap:+.2f} %) |")
+    e = summary["evaluation"]
+    print(f"\nEvaluation: {e['rows']} rows, {e['answers']} answers, {e['wall_s'] / 3600:.2f} h.")
+
+
+def comparisons(summary, matching):
+    return [c for c in summary["comparisons"] if c["matching"] == matching]
+
+
+def pooled_table(summary, matching):
+    chosen = comparisons(summary, matching)
+    print("| | " + " | ".join(f"{BENCHMARKS.get(c['benchmark'], c['benchmark'])} ({c['items']})"
+                              for c in chosen) + " |")
+    print("|---" * (len(chosen) + 1) + "|")
+    print("| base model | " + " | ".join(pts(summary["base_model"][c["benchmark"]]) for c in chosen) + " |")
+    print("| baseline | " + " | ".join(pts(st.mean(r["baseline"] for r in c["per_seed"])) for c in chosen) + " |")
+    print("| members, mean | " + " | ".join(pts(st.mean(r["all"] for r in c["per_seed"])) for c in chosen) + " |")
+    for i, label in enumerate(d["label"] for d in chosen[0]["differences"]):
+        print(f"| {label}, pts | " + " | ".join(interval(c["differences"][i]["difference"])
+                                                 for c in chosen) + " |")
+    c = chosen[0]
+    print(f"\n95 % intervals, {c['differences'][0]['difference']['resamples']} resamples over "
+          f"{len(c['per_seed'])} seeds × reported problems (the seed level has only "
+          f"{c['distinct_seed_draws']} distinct draws); bold: the interval excludes 0.")
+
+
+def per_seed_table(summary, matching):
+    print("| benchmark | seed | all | students | teachers | best | weakest | baseline | all − baseline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in comparisons(summary, matching):
+        for r in c["per_seed"]:
+            print(f"| {BENCHMARKS.get(c['benchmark'], c['benchmark'])} | {r['seed']} "
+                  f"| {pts(r['all'])} | {pts(r['students'])} | {pts(r['teachers'])} "
+                  f"| {r['best'][0]} {pts(r['best'][1])} | {r['weakest'][0]} {pts(r['weakest'][1])} "
+                  f"| {pts(r['baseline'])} | {100 * (r['all'] - r['baseline']):+.1f} |")
+
+
+def main(out: Path):
+    summary = json.loads((out / "experiment.json").read_text())
+    print("### Compute\n")
+    compute_table(summary)
+    for matching, title in MATCHINGS.items():
+        if not comparisons(summary, matching):
+            continue
+        print(f"\n### Matched {title}\n")
+        pooled_table(summary, matching)
+        print()
+        per_seed_table(summary, matching)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(Path(sys.argv[1]))
