@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """An experiment's result (`populora experiment ... --out DIR`, its experiment.json)
 as the Markdown tables of a write-up: the compute of every run, then for each
-matching the pooled differences with their 95 % intervals, then a row per seed.
+matching the pooled differences with their 95 % intervals, then a row per seed;
+then how far each arm moved from the untouched base model (from eval/items.jsonl).
 
-Usage: scripts/experiment-tables.py DIR
+Usage: scripts/experiment-tables.py DIR [RESAMPLES=2000]
 
 Scores are the reported problems' (the selection split only chooses best and
 weakest); pooled scores are means over seeds, as the differences are.
 """
 import json
+import random
 import statistics as st
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 BENCHMARKS = {
@@ -89,7 +92,76 @@ def per_seed_table(summary, matching):
                   f"| {pts(r['baseline'])} | {100 * (r['all'] - r['baseline']):+.1f} |")
 
 
-def main(out: Path):
+def tallies(out: Path, reported):
+    """Per benchmark and row: passed and answered per reported problem (a HumanEval
+    problem with its HumanEval-IO items, as the experiment's bootstrap clusters them)."""
+    cluster = {task: i for i, task in enumerate(reported)}
+    counts = defaultdict(lambda: [[0] * len(reported), [0] * len(reported)])
+    with (out / "eval" / "items.jsonl").open() as f:
+        for line in f:
+            r = json.loads(line)
+            c = cluster.get(r["task_id"])
+            if c is not None:
+                t = counts[(r["benchmark"], r["member"])]
+                t[0][c] += r["passed"]
+                t[1][c] += 1
+    return counts
+
+
+def score(tally, drawn):
+    """Pass rate over the drawn problems (with repeats)."""
+    answered = sum(tally[1][c] for c in drawn)
+    return sum(tally[0][c] for c in drawn) / answered if answered else 0.0
+
+
+def against_base(out: Path, summary, resamples):
+    """Each arm minus the base model, per benchmark: the mean over seeds of the arm's score
+    (members: their mean) minus the base model's, with the experiment's crossed bootstrap
+    (seeds and reported problems drawn independently, with replacement)."""
+    reported = [t for t in summary["subset"] if t not in set(summary["selection"])]
+    counts = tallies(out, reported)
+    seeds = [s["seed"] for s in summary["seeds"]]
+    arms = {
+        "members, mean": lambda b, s: [counts[(b, f"seed-{s}/{m}")] for m, _ in members(summary, b, s)],
+        "baseline at the per-adapter mark": lambda b, s: [counts[(b, f"seed-{s}/baseline-per-adapter/solo-0")]],
+        "baseline at its end": lambda b, s: [counts[(b, f"seed-{s}/baseline/solo-0")]],
+    }
+    benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
+    every = list(range(len(reported)))
+    for c in comparisons(summary, "total"):
+        for r in c["per_seed"]:
+            mine = score(counts[(c["benchmark"], f"seed-{r['seed']}/baseline/solo-0")], every)
+            if abs(mine - r["baseline"]) > 1e-9:
+                sys.exit(f"{c['benchmark']}, seed {r['seed']}: the baseline scores {mine} on eval/items.jsonl's "
+                         f"reported problems but {r['baseline']} in experiment.json; they must agree")
+    print("| | " + " | ".join(BENCHMARKS.get(b, b) for b in benchmarks) + " |")
+    print("|---" * (len(benchmarks) + 1) + "|")
+    for arm, rows_of in arms.items():
+        cells = []
+        for b in benchmarks:
+            base = counts[(b, "base model")]
+            rows = {s: rows_of(b, s) for s in seeds}
+
+            def statistic(drawn_seeds, drawn):
+                gap = [st.mean(score(t, drawn) for t in rows[s]) - score(base, drawn) for s in drawn_seeds]
+                return sum(gap) / len(gap)
+
+            rng = random.Random(f"{b}/{arm}")
+            values = sorted(statistic(rng.choices(seeds, k=len(seeds)), rng.choices(every, k=len(every)))
+                            for _ in range(resamples))
+            at = lambda q: values[round(q * (len(values) - 1))]
+            cells.append(interval({"estimate": statistic(seeds, every), "low": at(0.025), "high": at(0.975)}))
+        print(f"| {arm} − base model, pts | " + " | ".join(cells) + " |")
+    print(f"\n95 % intervals, {resamples} resamples of seeds × the {len(reported)} reported problems; "
+          "bold: the interval excludes 0.")
+
+
+def members(summary, benchmark, seed):
+    c = next(c for c in comparisons(summary, "total") if c["benchmark"] == benchmark)
+    return next(r for r in c["per_seed"] if r["seed"] == seed)["members"]
+
+
+def main(out: Path, resamples: int):
     summary = json.loads((out / "experiment.json").read_text())
     print("### Compute\n")
     compute_table(summary)
@@ -100,9 +172,11 @@ def main(out: Path):
         pooled_table(summary, matching)
         print()
         per_seed_table(summary, matching)
+    print("\n### Against the untouched base model\n")
+    against_base(out, summary, resamples)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) == 3 else 2000)
