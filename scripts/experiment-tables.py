@@ -123,14 +123,14 @@ def against_base(out: Path, summary, resamples):
     seeds = [s["seed"] for s in summary["seeds"]]
     arms = {
         "members, mean": lambda b, s: [counts[(b, f"seed-{s}/{m}")] for m, _ in members(summary, b, s)],
-        "baseline at the per-adapter mark": lambda b, s: [counts[(b, f"seed-{s}/baseline-per-adapter/solo-0")]],
-        "baseline at its end": lambda b, s: [counts[(b, f"seed-{s}/baseline/solo-0")]],
+        "baseline at the per-adapter mark": lambda b, s: [solo(counts, b, f"seed-{s}/baseline-per-adapter/")],
+        "baseline at its end": lambda b, s: [solo(counts, b, f"seed-{s}/baseline/")],
     }
     benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
     every = list(range(len(reported)))
     for c in comparisons(summary, "total"):
         for r in c["per_seed"]:
-            mine = score(counts[(c["benchmark"], f"seed-{r['seed']}/baseline/solo-0")], every)
+            mine = score(solo(counts, c["benchmark"], f"seed-{r['seed']}/baseline/"), every)
             if abs(mine - r["baseline"]) > 1e-9:
                 sys.exit(f"{c['benchmark']}, seed {r['seed']}: the baseline scores {mine} on eval/items.jsonl's "
                          f"reported problems but {r['baseline']} in experiment.json; they must agree")
@@ -154,6 +154,12 @@ def against_base(out: Path, summary, resamples):
         print(f"| {arm} − base model, pts | " + " | ".join(cells) + " |")
     print(f"\n95 % intervals, {resamples} resamples of seeds × the {len(reported)} reported problems; "
           "bold: the interval excludes 0.")
+
+
+def solo(counts, benchmark, prefix):
+    """The tallies of the one baseline row whose name starts with `prefix`."""
+    (row,) = [t for (b, name), t in counts.items() if b == benchmark and name.startswith(prefix)]
+    return row
 
 
 def members(summary, benchmark, seed):
