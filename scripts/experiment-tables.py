@@ -105,7 +105,7 @@ def tallies(out: Path, reported):
                 t = counts[(r["benchmark"], r["member"])]
                 t[0][c] += r["passed"]
                 t[1][c] += 1
-    return counts
+    return dict(counts)  # a row missing from items.jsonl is then a KeyError, not a silent 0
 
 
 def score(tally, drawn):
@@ -118,7 +118,8 @@ def against_base(out: Path, summary, resamples):
     """Each arm minus the base model, per benchmark: the mean over seeds of the arm's score
     (members: their mean) minus the base model's, with the experiment's crossed bootstrap
     (seeds and reported problems drawn independently, with replacement)."""
-    reported = [t for t in summary["subset"] if t not in set(summary["selection"])]
+    selection = set(summary["selection"])
+    reported = [t for t in summary["subset"] if t not in selection]
     counts = tallies(out, reported)
     seeds = [s["seed"] for s in summary["seeds"]]
     arms = {
