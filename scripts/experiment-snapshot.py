@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Keeps a long experiment safe from a machine reset: copies what
+`populora experiment ... --out DIR` needs to continue into a folder that is
+committed (and back onto a fresh machine).
+
+    scripts/experiment-snapshot.py save DIR SNAPSHOT     # before a session stops; then commit SNAPSHOT
+    scripts/experiment-snapshot.py restore SNAPSHOT DIR  # on a fresh machine, before continuing
+
+What is kept: every file of DIR except sockets, reports, partial files,
+old checkpoints and what only a resume needs of a finished run. A run still
+going keeps its newest checkpoint whole (the one `experiment` resumes from)
+and its `members/` (the same files, so git stores them once); a finished
+run keeps its members' adapters, not their optimizer state. A baseline's
+compute-mark checkpoint keeps its adapter (the per-adapter row the
+evaluation reads). Files are copied only when they changed, and files of
+SNAPSHOT no longer kept are removed, so a commit adds at most one run's
+newest checkpoint.
+"""
+import filecmp
+import json
+import shutil
+import sys
+from pathlib import Path
+
+SKIPPED_NAMES = {"control.sock", ".items.jsonl.partial"}
+SKIPPED_DIRS = {"report"}
+
+
+def journal_events(run: Path) -> list[dict]:
+    path = run / "journal.jsonl"
+    events = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    return events
+
+
+def run_keeps(run: Path):
+    """Whether `run` has ended, and the checkpoints to keep: {name: whole (True) or adapters only}."""
+    events = journal_events(run)
+    ended = any(e.get("event") == "end" for e in events)
+    keep = {}
+    for e in events:
+        if e.get("event") == "compute_mark":
+            keep[f"step-{int(e['step']):06}"] = False
+    names = sorted(p.name for p in (run / "checkpoints").glob("step-*") if p.is_dir())
+    if names and not ended:
+        keep[names[-1]] = True
+    return ended, keep
+
+
+def kept(rel: tuple, ended: bool, checkpoints: dict) -> bool:
+    """Whether a file of a run (its path below the run) is kept."""
+    if rel[0] == "checkpoints":
+        if len(rel) < 2 or rel[1] not in checkpoints:
+            return False  # an older checkpoint, or one still being written (.tmp-step-N)
+        return checkpoints[rel[1]] or "adapter" in rel[2:]
+    if rel[0] == "members" and ended:
+        return "adapter" in rel[1:]
+    return True
+
+
+def selected(out: Path) -> list[Path]:
+    """The files of `out` to keep, relative to it."""
+    runs = {}
+    files = []
+    for path in sorted(out.rglob("*")):
+        if not path.is_file() or path.is_symlink():
+            continue
+        rel = path.relative_to(out)
+        if path.name in SKIPPED_NAMES or SKIPPED_DIRS & set(rel.parts):
+            continue
+        parts = rel.parts
+        i = next((i for i, p in enumerate(parts) if p in ("checkpoints", "members")), None)
+        if i is not None:
+            run = out.joinpath(*parts[:i])
+            if run not in runs:
+                runs[run] = run_keeps(run)
+            if not kept(parts[i:], *runs[run]):
+                continue
+        files.append(rel)
+    return files
+
+
+def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[int, int]:
+    """Copy `files` from `src` to `dest` where they differ; remove the rest of `dest`."""
+    copied = 0
+    for rel in files:
+        a, b = src / rel, dest / rel
+        if b.exists() and filecmp.cmp(a, b, shallow=False):
+            continue
+        b.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(a, b)
+        copied += 1
+    wanted = {dest / rel for rel in files}
+    removed = 0
+    for path in sorted(dest.rglob("*"), reverse=True):
+        if path.is_file() and path not in wanted:
+            path.unlink()
+            removed += 1
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+    return copied, removed
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 4 or argv[1] not in ("save", "restore"):
+        sys.exit(__doc__)
+    src, dest = Path(argv[2]), Path(argv[3])
+    if not (src / "experiment.toml").exists():
+        sys.exit(f"{src} holds no experiment (no experiment.toml)")
+    if argv[1] == "restore" and dest.exists() and any(dest.iterdir()):
+        sys.exit(f"{dest} exists and is not empty; restore only onto a fresh machine")
+    files = selected(src)
+    dest.mkdir(parents=True, exist_ok=True)
+    copied, removed = mirror(src, dest, files)
+    size = sum((dest / rel).stat().st_size for rel in files)
+    print(f"{argv[1]}: {len(files)} files ({size / 2**20:.1f} MiB) in {dest}; {copied} copied, {removed} removed")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
