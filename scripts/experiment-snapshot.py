@@ -84,17 +84,24 @@ def selected(out: Path) -> list[Path]:
     return files
 
 
-def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[int, int]:
-    """Copy `files` from `src` to `dest` where they differ; remove the rest of `dest`."""
-    copied = 0
+def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[list[Path], int, int]:
+    """Copy `files` from `src` to `dest` where they differ; remove the rest of `dest`.
+
+    The experiment may be running: a live `members/` file it replaces while
+    this copies is left out (its checkpoint's copy is what a resume reads)."""
+    copied, present = 0, []
     for rel in files:
         a, b = src / rel, dest / rel
-        if b.exists() and filecmp.cmp(a, b, shallow=False):
+        try:
+            if not (b.exists() and filecmp.cmp(a, b, shallow=False)):
+                b.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(a, b)
+                copied += 1
+        except FileNotFoundError:
+            print(f"left out {rel}: it changed while being copied", file=sys.stderr)
             continue
-        b.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(a, b)
-        copied += 1
-    wanted = {dest / rel for rel in files}
+        present.append(rel)
+    wanted = {dest / rel for rel in present}
     removed = 0
     for path in sorted(dest.rglob("*"), reverse=True):
         if path.is_file() and path not in wanted:
@@ -102,7 +109,7 @@ def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[int, int]:
             removed += 1
         elif path.is_dir() and not any(path.iterdir()):
             path.rmdir()
-    return copied, removed
+    return present, copied, removed
 
 
 def main(argv: list[str]) -> None:
@@ -115,7 +122,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"{dest} exists and is not empty; restore only onto a fresh machine")
     files = selected(src)
     dest.mkdir(parents=True, exist_ok=True)
-    copied, removed = mirror(src, dest, files)
+    files, copied, removed = mirror(src, dest, files)
     size = sum((dest / rel).stat().st_size for rel in files)
     print(f"{argv[1]}: {len(files)} files ({size / 2**20:.1f} MiB) in {dest}; {copied} copied, {removed} removed")
 
