@@ -17,7 +17,7 @@ import statistics as st
 import sys
 from pathlib import Path
 
-from selfplay_metrics import KINDS, load_rows, nonzero_share, rating_spread, solve_rates
+from selfplay_metrics import KINDS, load_journal, load_rows, nonzero_share, rating_spread, solve_rates
 
 
 def by_compute(rows, total, count):
@@ -106,8 +106,7 @@ def updates_table(seeds):
 def spawn_steps(run: Path):
     """Member id -> (step it was spawned before, its parents), from the run's journal."""
     spawned = {}
-    for line in (run / "journal.jsonl").read_text().splitlines():
-        event = json.loads(line)
+    for event in load_journal(run):
         if event.get("event") == "spawn":
             spawned[event["id"]] = (event["step"], event["parents"])
     return spawned

@@ -17,29 +17,19 @@ SNAPSHOT no longer kept are removed, so a commit adds at most one run's
 newest checkpoint.
 """
 import filecmp
-import json
 import shutil
 import sys
 from pathlib import Path
+
+from selfplay_metrics import load_journal
 
 SKIPPED_NAMES = {"control.sock", ".items.jsonl.partial"}
 SKIPPED_DIRS = {"report"}
 
 
-def journal_events(run: Path) -> list[dict]:
-    path = run / "journal.jsonl"
-    events = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-    return events
-
-
 def run_keeps(run: Path):
     """Whether `run` has ended, and the checkpoints to keep: {name: whole (True) or adapters only}."""
-    events = journal_events(run)
+    events = load_journal(run)
     ended = any(e.get("event") == "end" for e in events)
     keep = {}
     for e in events:

@@ -7,16 +7,27 @@ from pathlib import Path
 KINDS = ["deduction", "abduction", "induction"]
 
 
-def load_rows(run):
-    """The step rows of `run`'s metrics.jsonl. A last line cut by an interruption
-    is left out: resuming the run rewrites it."""
+def load_lines(path):
+    """The JSON lines of `path` (none when it is missing). A last line cut by an
+    interruption is left out: resuming the run rewrites it."""
+    path = Path(path)
     rows = []
-    for line in (Path(run) / "metrics.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break
     return rows
+
+
+def load_rows(run):
+    """The step rows of `run`'s metrics.jsonl."""
+    return load_lines(Path(run) / "metrics.jsonl")
+
+
+def load_journal(run):
+    """The events of `run`'s journal.jsonl."""
+    return load_lines(Path(run) / "journal.jsonl")
 
 
 def solve_rates(part, kind):
