@@ -9,8 +9,10 @@ committed (and back onto a fresh machine).
 What is kept: every file of DIR except sockets, reports, partial files,
 old checkpoints and what only a resume needs of a finished run. A run still
 going keeps its newest checkpoint whole (the one `experiment` resumes from)
-and its `members/` (the same files, so git stores them once); a finished
-run keeps its members' adapters, not their optimizer state. A baseline's
+but not its `members/`, which holds the same files (a run writes both at
+each checkpoint, and a commit's size counts them twice): `restore` copies
+them back from that checkpoint. A finished run keeps its members'
+adapters, not their optimizer state. A baseline's
 compute-mark checkpoint keeps its adapter (the per-adapter row the
 evaluation reads). Files are copied only when they changed, and files of
 SNAPSHOT no longer kept are removed, so a commit adds at most one run's
@@ -47,8 +49,10 @@ def kept(rel: tuple, ended: bool, checkpoints: dict) -> bool:
         if len(rel) < 2 or rel[1] not in checkpoints:
             return False  # an older checkpoint, or one still being written (.tmp-step-N)
         return checkpoints[rel[1]] or "adapter" in rel[2:]
-    if rel[0] == "members" and ended:
-        return "adapter" in rel[1:]
+    if rel[0] == "members":
+        if ended:
+            return "adapter" in rel[1:]
+        return not any(checkpoints.values())  # restore copies them from the newest checkpoint
     return True
 
 
@@ -102,6 +106,20 @@ def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[list[Path], int, i
     return present, copied, removed
 
 
+def refill_members(out: Path) -> int:
+    """Copy each unfinished run's newest checkpoint's members into its `members/`, as the run left it."""
+    filled = 0
+    for journal in sorted(out.rglob("journal.jsonl")):
+        run = journal.parent
+        ended, keep = run_keeps(run)
+        whole = [name for name, is_whole in keep.items() if is_whole]
+        if ended or not whole:
+            continue
+        shutil.copytree(run / "checkpoints" / whole[0] / "members", run / "members", dirs_exist_ok=True)
+        filled += 1
+    return filled
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 4 or argv[1] not in ("save", "restore"):
         sys.exit(__doc__)
@@ -115,6 +133,8 @@ def main(argv: list[str]) -> None:
     files, copied, removed = mirror(src, dest, files)
     size = sum((dest / rel).stat().st_size for rel in files)
     print(f"{argv[1]}: {len(files)} files ({size / 2**20:.1f} MiB) in {dest}; {copied} copied, {removed} removed")
+    if argv[1] == "restore":
+        print(f"restore: members/ of {refill_members(dest)} unfinished runs copied from their newest checkpoints")
 
 
 if __name__ == "__main__":
