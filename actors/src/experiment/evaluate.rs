@@ -492,34 +492,88 @@ fn answered(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
-    let mut records: Vec<ItemRecord> = text
+    let records: Vec<ItemRecord> = text
         .lines()
         .map_while(|line| serde_json::from_str(line).ok())
         .collect();
-    if records.len() < jobs.len() {
-        records.truncate(records.len() / batch * batch);
-    }
+    let expected: Vec<AnswerKey> = jobs
+        .iter()
+        .map(|&(m, i, s)| AnswerKey {
+            benchmark: &bench.name,
+            member: &rows[m].0,
+            item: bench.items[i].index,
+            sample: s,
+        })
+        .collect();
+    let records = resumable(records, &expected, batch)
+        .with_context(|| format!("{}: delete it to start this benchmark over", path.display()))?;
     if records.len() != text.lines().count() {
         // Drop the cut-short batch, so that new answers follow whole ones.
         std::fs::remove_file(path).with_context(|| format!("rewriting {}", path.display()))?;
         append_records(path, &records)?;
     }
-    for (&(m, i, s), r) in jobs.iter().zip(&records) {
-        let item = &bench.items[i];
-        if records.len() > jobs.len()
-            || r.member != rows[m].0
-            || r.item != item.index
-            || r.sample != s
-            || r.benchmark != bench.name
-        {
+    Ok(records)
+}
+
+/// Which answer an evaluation expects at a place in its progress file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AnswerKey<'a> {
+    benchmark: &'a str,
+    member: &'a str,
+    item: usize,
+    sample: usize,
+}
+
+impl<'a> AnswerKey<'a> {
+    fn of(record: &'a ItemRecord) -> Self {
+        AnswerKey {
+            benchmark: &record.benchmark,
+            member: &record.member,
+            item: record.item,
+            sample: record.sample,
+        }
+    }
+}
+
+/// The answers of a progress file that an evaluation expecting `expected`
+/// keeps: all of them when it is complete, else its whole batches. A file
+/// that repeats its last answers after the complete set (what a resume of a
+/// finished benchmark wrote before this was fixed: it answered the final,
+/// short batch again) keeps the first set. Any other answer out of place
+/// means another evaluation's file.
+fn resumable(
+    mut records: Vec<ItemRecord>,
+    expected: &[AnswerKey],
+    batch: usize,
+) -> anyhow::Result<Vec<ItemRecord>> {
+    let n = expected.len();
+    if records.len() > n {
+        let repeated = records.len() - n;
+        let repeats_its_tail = repeated <= n
+            && records[n..]
+                .iter()
+                .zip(&expected[n - repeated..])
+                .all(|(r, key)| AnswerKey::of(r) == *key);
+        if !repeats_its_tail {
             bail!(
-                "{} holds answers of another evaluation (expected {} item {} sample {s} of {}); delete it to start this benchmark over",
-                path.display(),
-                rows[m].0,
-                item.index,
-                bench.name
+                "it holds {} answers, more than the {n} expected",
+                records.len()
             );
         }
+        records.truncate(n);
+    }
+    if records.len() < n {
+        records.truncate(records.len() / batch * batch);
+    }
+    if let Some((r, key)) = records
+        .iter()
+        .zip(expected)
+        .find(|(r, key)| AnswerKey::of(r) != **key)
+    {
+        bail!(
+            "it holds answers of another evaluation (expected {} item {} sample {} of {}, found {} item {} sample {} of {})",
+            key.member, key.item, key.sample, key.benchmark, r.member, r.item, r.sample, r.benchmark
+        );
     }
     Ok(records)
 }
@@ -603,7 +657,8 @@ fn evaluate(
             records.len()
         );
     }
-    for chunk in jobs.chunks(batch).skip(records.len() / batch) {
+    // Kept answers are whole batches or every job, so the batches stay the same.
+    for chunk in jobs[records.len()..].chunks(batch) {
         let first_new = records.len();
         let requests = chunk
             .iter()
@@ -663,4 +718,81 @@ fn evaluate(
         })
         .collect();
     Ok((results, records))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(member: &str, item: usize) -> ItemRecord {
+        ItemRecord {
+            benchmark: "humaneval".into(),
+            task_id: format!("HumanEval/{item}"),
+            item,
+            member: member.into(),
+            sample: 0,
+            passed: item % 2 == 0,
+            response: String::new(),
+            completion: None,
+        }
+    }
+
+    /// Two rows × 5 items, in the evaluation's order: 10 answers, batches of 4.
+    fn answers() -> Vec<ItemRecord> {
+        ["a", "b"]
+            .iter()
+            .flat_map(|m| (0..5).map(move |i| record(m, i)))
+            .collect()
+    }
+
+    fn keys(records: &[ItemRecord]) -> Vec<AnswerKey<'_>> {
+        records.iter().map(AnswerKey::of).collect()
+    }
+
+    #[test]
+    fn a_complete_file_is_kept_whole_though_its_last_batch_is_short() {
+        let all = answers();
+        let kept = resumable(all.clone(), &keys(&all), 4).unwrap();
+        assert_eq!(
+            kept, all,
+            "nothing is left to answer, so nothing is answered twice"
+        );
+    }
+
+    #[test]
+    fn an_interrupted_file_keeps_its_whole_batches() {
+        let all = answers();
+        let kept = resumable(all[..7].to_vec(), &keys(&all), 4).unwrap();
+        assert_eq!(kept, all[..4]);
+    }
+
+    #[test]
+    fn a_file_that_answered_its_short_last_batch_twice_keeps_the_first_answers() {
+        let all = answers();
+        let mut twice = all.clone();
+        twice.extend(all[8..].iter().cloned().map(|mut r| {
+            r.response = "again".into();
+            r
+        }));
+        assert_eq!(resumable(twice, &keys(&all), 4).unwrap(), all);
+    }
+
+    #[test]
+    fn another_evaluations_file_is_refused() {
+        let all = answers();
+        let mut other = all.clone();
+        other[2].member = "c".into();
+        let err = resumable(other, &keys(&all), 4).unwrap_err().to_string();
+        assert!(
+            err.contains("another evaluation") && err.contains("found c item 2"),
+            "{err}"
+        );
+        let mut longer = all.clone();
+        longer.extend(all[..3].iter().cloned());
+        let err = resumable(longer, &keys(&all), 4).unwrap_err().to_string();
+        assert!(
+            err.contains("13 answers, more than the 10 expected"),
+            "{err}"
+        );
+    }
 }
