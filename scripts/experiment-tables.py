@@ -114,12 +114,24 @@ def score(tally, drawn):
     return sum(tally[0][c] for c in drawn) / answered if answered else 0.0
 
 
+def every_problem(out: Path):
+    """The HumanEval problems of eval/items.jsonl, in order: the experiment's problems
+    when it evaluated all of them (experiment.json then names no subset)."""
+    seen = {}
+    with (out / "eval" / "items.jsonl").open() as f:
+        for line in f:
+            r = json.loads(line)
+            if r["benchmark"] == "humaneval":
+                seen.setdefault(r["task_id"], None)
+    return list(seen)
+
+
 def against_base(out: Path, summary, resamples):
     """Each arm minus the base model, per benchmark: the mean over seeds of the arm's score
     (members: their mean) minus the base model's, with the experiment's crossed bootstrap
     (seeds and reported problems drawn independently, with replacement)."""
     selection = set(summary["selection"])
-    reported = [t for t in summary["subset"] if t not in selection]
+    reported = [t for t in summary.get("subset") or every_problem(out) if t not in selection]
     counts = tallies(out, reported)
     seeds = [s["seed"] for s in summary["seeds"]]
     arms = {
