@@ -2,7 +2,8 @@
 """An experiment's result (`populora experiment ... --out DIR`, its experiment.json)
 as the Markdown tables of a write-up: the compute of every run, then for each
 matching the pooled differences with their 95 % intervals, then a row per seed;
-then how far each arm moved from the untouched base model (from eval/items.jsonl).
+then how far each arm moved from the untouched base model (from eval/items.jsonl): its
+scores against the base model's, and the share of its answers identical to the base model's.
 
 Usage: scripts/experiment-tables.py DIR [RESAMPLES=2000]
 
@@ -180,6 +181,33 @@ def members(summary, benchmark, seed):
     return next(r for r in c["per_seed"] if r["seed"] == seed)["members"]
 
 
+def unchanged(out: Path, summary):
+    """How far each arm's answers moved: the share of its answers (every item, every seed)
+    that are the base model's answer to the same item, word for word. Greedy decoding makes
+    an identical answer mean the adapter left that item's output untouched."""
+    answers = defaultdict(dict)
+    with (out / "eval" / "items.jsonl").open() as f:
+        for line in f:
+            r = json.loads(line)
+            answers[r["member"]][(r["benchmark"], r["task_id"], r["item"], r["sample"])] = r["response"]
+    base = answers["base model"]
+    arms = {
+        "members": lambda name: name.startswith("seed-") and "/baseline" not in name,
+        "baseline at the per-adapter mark": lambda name: "/baseline-per-adapter/" in name,
+        "baseline at its end": lambda name: "/baseline/" in name,
+    }
+    benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
+    print("| | " + " | ".join(BENCHMARKS.get(b, b) for b in benchmarks) + " |")
+    print("|---" * (len(benchmarks) + 1) + "|")
+    for arm, chosen in arms.items():
+        cells = []
+        for b in benchmarks:
+            same = [answer == base[key] for name, row in answers.items() if name != "base model" and chosen(name)
+                    for key, answer in row.items() if key[0] == b]
+            cells.append(f"{pts(sum(same) / len(same))} of {len(same)}")
+        print(f"| {arm} | " + " | ".join(cells) + " |")
+
+
 def main(out: Path, resamples: int):
     summary = json.loads((out / "experiment.json").read_text())
     print("### Compute\n")
@@ -193,6 +221,8 @@ def main(out: Path, resamples: int):
         per_seed_table(summary, matching)
     print("\n### Against the untouched base model\n")
     against_base(out, summary, resamples)
+    print("\n### Answers identical to the base model's\n")
+    unchanged(out, summary)
 
 
 if __name__ == "__main__":
