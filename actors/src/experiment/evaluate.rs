@@ -476,10 +476,8 @@ fn score(
     }
 }
 
-/// The answers of an interrupted evaluation of `bench` in `path`, whole
-/// batches only (a batch cut short by the interruption is answered again).
-/// They must be the first answers of `jobs`, else the file belongs to
-/// another evaluation and is refused.
+/// The answers an earlier evaluation of `bench` left in `path` that this
+/// one keeps (see [`resumable`]); the file is rewritten to hold just those.
 fn answered(
     path: &Path,
     jobs: &[(usize, usize, usize)],
@@ -508,7 +506,7 @@ fn answered(
     let records = resumable(records, &expected, batch)
         .with_context(|| format!("{}: delete it to start this benchmark over", path.display()))?;
     if records.len() != text.lines().count() {
-        // Drop the cut-short batch, so that new answers follow whole ones.
+        // Drop what is not kept, so that new answers follow the kept ones.
         std::fs::remove_file(path).with_context(|| format!("rewriting {}", path.display()))?;
         append_records(path, &records)?;
     }
@@ -536,35 +534,18 @@ impl<'a> AnswerKey<'a> {
 }
 
 /// The answers of a progress file that an evaluation expecting `expected`
-/// keeps: all of them when it is complete, else its whole batches. A file
-/// that repeats its last answers after the complete set (what a resume of a
-/// finished benchmark wrote before this was fixed: it answered the final,
-/// short batch again) keeps the first set. Any other answer out of place
-/// means another evaluation's file.
+/// (in order, asked in batches of `batch`) keeps: all of them when the file
+/// is complete, else its whole batches, since a batch cut short by an
+/// interruption is asked again. Before a fix, resuming a finished benchmark
+/// answered its short last batch again and appended it; such a repeat (or
+/// the part of it written before an interruption) is dropped. Any answer
+/// out of place means another evaluation's file, which is refused.
 fn resumable(
     mut records: Vec<ItemRecord>,
     expected: &[AnswerKey],
     batch: usize,
 ) -> anyhow::Result<Vec<ItemRecord>> {
     let n = expected.len();
-    if records.len() > n {
-        let repeated = records.len() - n;
-        let repeats_its_tail = repeated <= n
-            && records[n..]
-                .iter()
-                .zip(&expected[n - repeated..])
-                .all(|(r, key)| AnswerKey::of(r) == *key);
-        if !repeats_its_tail {
-            bail!(
-                "it holds {} answers, more than the {n} expected",
-                records.len()
-            );
-        }
-        records.truncate(n);
-    }
-    if records.len() < n {
-        records.truncate(records.len() / batch * batch);
-    }
     if let Some((r, key)) = records
         .iter()
         .zip(expected)
@@ -575,7 +556,33 @@ fn resumable(
             key.member, key.item, key.sample, key.benchmark, r.member, r.item, r.sample, r.benchmark
         );
     }
+    if records.len() > n {
+        let short_batch = &expected[n - n % batch..];
+        let repeat = &records[n..];
+        let repeats_short_batch = repeat.len() <= short_batch.len()
+            && repeat
+                .iter()
+                .zip(short_batch)
+                .all(|(r, key)| AnswerKey::of(r) == *key);
+        if !repeats_short_batch {
+            bail!(
+                "it holds {} answers, more than the {n} expected",
+                records.len()
+            );
+        }
+        records.truncate(n);
+    }
+    if records.len() < n {
+        records.truncate(records.len() / batch * batch);
+    }
     Ok(records)
+}
+
+/// The batches an evaluation still asks after keeping `kept` answers (a
+/// multiple of `batch`, or every job): the same batches an uninterrupted
+/// run asks from there, and none once every job is answered.
+fn unanswered<T>(jobs: &[T], kept: usize, batch: usize) -> std::slice::Chunks<'_, T> {
+    jobs[kept..].chunks(batch)
 }
 
 /// Appends one batch's answers to `path` in one write.
@@ -652,13 +659,12 @@ fn evaluate(
     }
     if !records.is_empty() {
         eprintln!(
-            "{}: {} answers kept from an interrupted evaluation",
+            "{}: {} answers kept from an earlier evaluation",
             bench.name,
             records.len()
         );
     }
-    // Kept answers are whole batches or every job, so the batches stay the same.
-    for chunk in jobs[records.len()..].chunks(batch) {
+    for chunk in unanswered(&jobs, records.len(), batch) {
         let first_new = records.len();
         let requests = chunk
             .iter()
@@ -750,31 +756,51 @@ mod tests {
     }
 
     #[test]
-    fn a_complete_file_is_kept_whole_though_its_last_batch_is_short() {
+    fn a_complete_file_is_kept_whole_and_nothing_is_asked_again() {
         let all = answers();
         let kept = resumable(all.clone(), &keys(&all), 4).unwrap();
+        assert_eq!(kept, all);
         assert_eq!(
-            kept, all,
-            "nothing is left to answer, so nothing is answered twice"
+            unanswered(&all, kept.len(), 4).count(),
+            0,
+            "the short last batch is not asked twice"
         );
     }
 
     #[test]
-    fn an_interrupted_file_keeps_its_whole_batches() {
+    fn an_interrupted_file_keeps_its_whole_batches_and_asks_the_same_batches_after_them() {
         let all = answers();
-        let kept = resumable(all[..7].to_vec(), &keys(&all), 4).unwrap();
-        assert_eq!(kept, all[..4]);
+        for batch in [1, 3, 4, 16] {
+            for cut in 0..all.len() {
+                let kept = resumable(all[..cut].to_vec(), &keys(&all), batch).unwrap();
+                assert_eq!(kept, all[..cut / batch * batch]);
+                let resumed: Vec<_> = unanswered(&all, kept.len(), batch).collect();
+                let whole: Vec<_> = all.chunks(batch).skip(kept.len() / batch).collect();
+                assert_eq!(resumed, whole, "batch {batch}, cut after {cut}");
+            }
+        }
     }
 
     #[test]
     fn a_file_that_answered_its_short_last_batch_twice_keeps_the_first_answers() {
         let all = answers();
-        let mut twice = all.clone();
-        twice.extend(all[8..].iter().cloned().map(|mut r| {
-            r.response = "again".into();
-            r
-        }));
-        assert_eq!(resumable(twice, &keys(&all), 4).unwrap(), all);
+        let again = |r: &ItemRecord| ItemRecord {
+            response: "again".into(),
+            ..r.clone()
+        };
+        for (batch, repeated) in [(4, 2), (4, 1), (16, 10)] {
+            let mut twice = all.clone();
+            twice.extend(
+                all[all.len() - all.len() % batch..][..repeated]
+                    .iter()
+                    .map(again),
+            );
+            assert_eq!(
+                resumable(twice, &keys(&all), batch).unwrap(),
+                all,
+                "batch {batch}"
+            );
+        }
     }
 
     #[test]
@@ -782,16 +808,25 @@ mod tests {
         let all = answers();
         let mut other = all.clone();
         other[2].member = "c".into();
-        let err = resumable(other, &keys(&all), 4).unwrap_err().to_string();
-        assert!(
-            err.contains("another evaluation") && err.contains("found c item 2"),
-            "{err}"
-        );
+        for cut in [3, all.len()] {
+            let err = resumable(other[..cut].to_vec(), &keys(&all), 4)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("another evaluation") && err.contains("found c item 2"),
+                "{err}"
+            );
+        }
         let mut longer = all.clone();
         longer.extend(all[..3].iter().cloned());
         let err = resumable(longer, &keys(&all), 4).unwrap_err().to_string();
         assert!(
             err.contains("13 answers, more than the 10 expected"),
+            "{err}"
+        );
+        let err = resumable(all.clone(), &[], 4).unwrap_err().to_string();
+        assert!(
+            err.contains("10 answers, more than the 0 expected"),
             "{err}"
         );
     }
