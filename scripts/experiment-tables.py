@@ -116,14 +116,13 @@ def score(tally, drawn):
 
 
 def every_problem(out: Path):
-    """The HumanEval problems of eval/items.jsonl, in order: the experiment's problems
-    when it evaluated all of them (experiment.json then names no subset)."""
+    """The problems of eval/items.jsonl (every benchmark's task ids), in order: the
+    experiment's problems when it evaluated all of them (experiment.json then names no
+    subset)."""
     seen = {}
     with (out / "eval" / "items.jsonl").open() as f:
         for line in f:
-            r = json.loads(line)
-            if r["benchmark"] == "humaneval":
-                seen.setdefault(r["task_id"], None)
+            seen.setdefault(json.loads(line)["task_id"], None)
     return list(seen)
 
 
@@ -133,6 +132,9 @@ def against_base(out: Path, summary, resamples):
     (seeds and reported problems drawn independently, with replacement)."""
     selection = set(summary["selection"])
     reported = [t for t in summary.get("subset") or every_problem(out) if t not in selection]
+    if len(reported) != summary["report_problems"]:
+        sys.exit(f"{len(reported)} reported problems found, but experiment.json reports "
+                 f"{summary['report_problems']}; they must agree")
     counts = tallies(out, reported)
     seeds = [s["seed"] for s in summary["seeds"]]
     arms = {
@@ -183,26 +185,32 @@ def members(summary, benchmark, seed):
 
 def unchanged(out: Path, summary):
     """How far each arm's answers moved: the share of its answers (every item, every seed)
-    that are the base model's answer to the same item, word for word. Greedy decoding makes
-    an identical answer mean the adapter left that item's output untouched."""
+    that are the base model's answer to the same item, word for word. Under greedy
+    decoding an identical answer means the adapter left that item's output untouched;
+    sampled answers differ anyway, so then there is no table."""
     answers = defaultdict(dict)
     with (out / "eval" / "items.jsonl").open() as f:
         for line in f:
             r = json.loads(line)
-            answers[r["member"]][(r["benchmark"], r["task_id"], r["item"], r["sample"])] = r["response"]
+            if r["sample"] > 0:
+                print("Not computed: the answers were sampled, not greedy.")
+                return
+            answers[r["member"]][(r["benchmark"], r["task_id"], r["item"])] = r["response"]
     base = answers["base model"]
-    arms = {
-        "members": lambda name: name.startswith("seed-") and "/baseline" not in name,
-        "baseline at the per-adapter mark": lambda name: "/baseline-per-adapter/" in name,
-        "baseline at its end": lambda name: "/baseline/" in name,
-    }
     benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
-    print("| | " + " | ".join(BENCHMARKS.get(b, b) for b in benchmarks) + " |")
+    seeds = [s["seed"] for s in summary["seeds"]]
+    members_of = {f"seed-{s}/{m}" for s in seeds for m, _ in members(summary, benchmarks[0], s)}
+    arms = {
+        "members": lambda name: name in members_of,
+        "baseline at the per-adapter mark": lambda name: name.startswith("seed-") and "/baseline-per-adapter/" in name,
+        "baseline at its end": lambda name: name.startswith("seed-") and "/baseline/" in name,
+    }
+    print("| share of answers identical to the base model's | " + " | ".join(benchmarks) + " |")
     print("|---" * (len(benchmarks) + 1) + "|")
     for arm, chosen in arms.items():
         cells = []
         for b in benchmarks:
-            same = [answer == base[key] for name, row in answers.items() if name != "base model" and chosen(name)
+            same = [answer == base[key] for name, row in answers.items() if chosen(name)
                     for key, answer in row.items() if key[0] == b]
             cells.append(f"{pts(sum(same) / len(same))} of {len(same)}")
         print(f"| {arm} | " + " | ".join(cells) + " |")
