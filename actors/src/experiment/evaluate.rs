@@ -737,7 +737,7 @@ mod tests {
             item,
             member: member.into(),
             sample: 0,
-            passed: item % 2 == 0,
+            passed: item.is_multiple_of(2),
             response: String::new(),
             completion: None,
         }
