@@ -17,7 +17,7 @@ import statistics as st
 import sys
 from pathlib import Path
 
-from selfplay_metrics import KINDS, load_journal, load_rows, nonzero_share, rating_spread, solve_rates
+from selfplay_metrics import KINDS, greedy_answers, identical_share, load_journal, load_rows, nonzero_share, rating_spread, solve_rates
 
 
 def by_compute(rows, total, count):
@@ -114,7 +114,9 @@ def spawn_steps(run: Path):
 
 def members_table(out: Path, seeds):
     """The population's final members: when each was born, how many steps it trained,
-    and (once the evaluation is done) its score on each benchmark's reported items."""
+    and (once the evaluation is done) its score on each benchmark's reported items and
+    the share of its greedy answers (every item) that are the base model's, word for
+    word: how far its training moved it."""
     scores = {}
     summary = out / "experiment.json"
     if summary.exists():
@@ -125,7 +127,11 @@ def members_table(out: Path, seeds):
                 for name, score in row["members"]:
                     scores.setdefault((row["seed"], name), {})[c["benchmark"]] = score
     benchmarks = sorted({b for s in scores.values() for b in s})
-    header = ["seed", "member", "born before step", "steps trained", "parents", *benchmarks]
+    answers = greedy_answers(out) or {}
+    base = answers.get("base model")
+    moved = sorted({key[0] for key in base}) if base else []
+    header = ["seed", "member", "born before step", "steps trained", "parents", *benchmarks,
+              *(f"{b}: same as base" for b in moved)]
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for seed in seeds:
@@ -137,6 +143,9 @@ def members_table(out: Path, seeds):
             born, parents = spawned.get(m, (1, []))
             cells = [seed.name, m, str(born), str(last - born + 1), ", ".join(parents) or "initial"]
             cells += [f"{100 * scores.get((number, m), {}).get(b, float('nan')):.1f}" for b in benchmarks]
+            for b in moved:
+                same, total = identical_share(answers.get(f"{seed.name}/{m}", {}), base, b)
+                cells.append(f"{100 * same / total:.1f}" if total else "-")
             print("| " + " | ".join(cells) + " |")
 
 

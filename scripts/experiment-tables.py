@@ -17,6 +17,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from selfplay_metrics import greedy_answers, identical_share
+
 BENCHMARKS = {
     "humaneval": "HumanEval pass@1",
     "humaneval-io-output": "HumanEval-IO output prediction",
@@ -186,16 +188,11 @@ def members(summary, benchmark, seed):
 def unchanged(out: Path, summary):
     """How far each arm's answers moved: the share of its answers (every item, every seed)
     that are the base model's answer to the same item, word for word. Under greedy
-    decoding an identical answer means the adapter left that item's output untouched;
-    sampled answers differ anyway, so then there is no table."""
-    answers = defaultdict(dict)
-    with (out / "eval" / "items.jsonl").open() as f:
-        for line in f:
-            r = json.loads(line)
-            if r["sample"] > 0:
-                print("Not computed: the answers were sampled, not greedy.")
-                return
-            answers[r["member"]][(r["benchmark"], r["task_id"], r["item"])] = r["response"]
+    decoding an identical answer means the adapter left that item's output untouched."""
+    answers = greedy_answers(out)
+    if answers is None:
+        print("Not computed: the answers were sampled, not greedy.")
+        return
     base = answers["base model"]
     benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
     seeds = [s["seed"] for s in summary["seeds"]]
@@ -210,9 +207,9 @@ def unchanged(out: Path, summary):
     for arm, chosen in arms.items():
         cells = []
         for b in benchmarks:
-            same = [answer == base[key] for name, row in answers.items() if chosen(name)
-                    for key, answer in row.items() if key[0] == b]
-            cells.append(f"{pts(sum(same) / len(same))} of {len(same)}")
+            counts = [identical_share(row, base, b) for name, row in answers.items() if chosen(name)]
+            same, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+            cells.append(f"{pts(same / total)} of {total}")
         print(f"| {arm} | " + " | ".join(cells) + " |")
 
 

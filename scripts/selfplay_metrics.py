@@ -1,5 +1,6 @@
 """What the scripts read from a run's metrics.jsonl (one JSON row per step):
-the rows themselves and the per-step measures more than one script reports.
+the rows themselves and the per-step measures more than one script reports;
+and, of an evaluation, its greedy answers.
 """
 import json
 from pathlib import Path
@@ -46,3 +47,21 @@ def rating_spread(row):
     """μ of the best-rated member minus μ of the worst at one step."""
     mus = [m["rating"]["mu"] for m in row["members"]]
     return max(mus) - min(mus)
+
+
+def greedy_answers(out):
+    """Every row's answers in `out`/eval/items.jsonl: {row: {(benchmark, task id, item):
+    response}}; None when the answers were sampled (then two answers of one item differ
+    anyway, so comparing them with the base model's says nothing)."""
+    answers = {}
+    for r in load_lines(Path(out) / "eval" / "items.jsonl"):
+        if r["sample"] > 0:
+            return None
+        answers.setdefault(r["member"], {})[(r["benchmark"], r["task_id"], r["item"])] = r["response"]
+    return answers
+
+
+def identical_share(row, base, benchmark):
+    """How many of `row`'s answers on `benchmark` are word for word `base`'s, of how many."""
+    same = [answer == base[key] for key, answer in row.items() if key[0] == benchmark]
+    return sum(same), len(same)
