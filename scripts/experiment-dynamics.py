@@ -17,7 +17,7 @@ import statistics as st
 import sys
 from pathlib import Path
 
-from selfplay_metrics import KINDS, greedy_answers, identical_share, load_journal, load_rows, nonzero_share, rating_spread, solve_rates
+from selfplay_metrics import KINDS, greedy_answers, identical_share, load_answers, load_journal, load_rows, nonzero_share, rating_spread, solve_rates
 
 
 def by_compute(rows, total, count):
@@ -127,7 +127,7 @@ def members_table(out: Path, seeds):
                 for name, score in row["members"]:
                     scores.setdefault((row["seed"], name), {})[c["benchmark"]] = score
     benchmarks = sorted({b for s in scores.values() for b in s})
-    answers = greedy_answers(out) or {}
+    answers = greedy_answers(load_answers(out)) or {}
     base = answers.get("base model")
     moved = sorted({key[0] for key in base}) if base else []
     header = ["seed", "member", "born before step", "steps trained", "parents", *benchmarks,

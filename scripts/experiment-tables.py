@@ -17,7 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from selfplay_metrics import greedy_answers, identical_share
+from selfplay_metrics import greedy_answers, identical_share, load_answers
 
 BENCHMARKS = {
     "humaneval": "HumanEval pass@1",
@@ -95,19 +95,17 @@ def per_seed_table(summary, matching):
                   f"| {pts(r['baseline'])} | {100 * (r['all'] - r['baseline']):+.1f} |")
 
 
-def tallies(out: Path, reported):
+def tallies(records, reported):
     """Per benchmark and row: passed and answered per reported problem (a HumanEval
     problem with its HumanEval-IO items, as the experiment's bootstrap clusters them)."""
     cluster = {task: i for i, task in enumerate(reported)}
     counts = defaultdict(lambda: [[0] * len(reported), [0] * len(reported)])
-    with (out / "eval" / "items.jsonl").open() as f:
-        for line in f:
-            r = json.loads(line)
-            c = cluster.get(r["task_id"])
-            if c is not None:
-                t = counts[(r["benchmark"], r["member"])]
-                t[0][c] += r["passed"]
-                t[1][c] += 1
+    for r in records:
+        c = cluster.get(r["task_id"])
+        if c is not None:
+            t = counts[(r["benchmark"], r["member"])]
+            t[0][c] += r["passed"]
+            t[1][c] += 1
     return dict(counts)  # a row missing from items.jsonl is then a KeyError, not a silent 0
 
 
@@ -117,27 +115,23 @@ def score(tally, drawn):
     return sum(tally[0][c] for c in drawn) / answered if answered else 0.0
 
 
-def every_problem(out: Path):
+def every_problem(records):
     """The problems of eval/items.jsonl (every benchmark's task ids), in order: the
     experiment's problems when it evaluated all of them (experiment.json then names no
     subset)."""
-    seen = {}
-    with (out / "eval" / "items.jsonl").open() as f:
-        for line in f:
-            seen.setdefault(json.loads(line)["task_id"], None)
-    return list(seen)
+    return list(dict.fromkeys(r["task_id"] for r in records))
 
 
-def against_base(out: Path, summary, resamples):
+def against_base(records, summary, resamples):
     """Each arm minus the base model, per benchmark: the mean over seeds of the arm's score
     (members: their mean) minus the base model's, with the experiment's crossed bootstrap
     (seeds and reported problems drawn independently, with replacement)."""
     selection = set(summary["selection"])
-    reported = [t for t in summary.get("subset") or every_problem(out) if t not in selection]
+    reported = [t for t in summary.get("subset") or every_problem(records) if t not in selection]
     if len(reported) != summary["report_problems"]:
         sys.exit(f"{len(reported)} reported problems found, but experiment.json reports "
                  f"{summary['report_problems']}; they must agree")
-    counts = tallies(out, reported)
+    counts = tallies(records, reported)
     seeds = [s["seed"] for s in summary["seeds"]]
     arms = {
         "members, mean": lambda b, s: [counts[(b, f"seed-{s}/{m}")] for m, _ in members(summary, b, s)],
@@ -185,11 +179,11 @@ def members(summary, benchmark, seed):
     return next(r for r in c["per_seed"] if r["seed"] == seed)["members"]
 
 
-def unchanged(out: Path, summary):
+def unchanged(records, summary):
     """How far each arm's answers moved: the share of its answers (every item, every seed)
     that are the base model's answer to the same item, word for word. Under greedy
     decoding an identical answer means the adapter left that item's output untouched."""
-    answers = greedy_answers(out)
+    answers = greedy_answers(records)
     if answers is None:
         print("Not computed: the answers were sampled, not greedy.")
         return
@@ -225,9 +219,10 @@ def main(out: Path, resamples: int):
         print()
         per_seed_table(summary, matching)
     print("\n### Against the untouched base model\n")
-    against_base(out, summary, resamples)
+    records = load_answers(out)
+    against_base(records, summary, resamples)
     print("\n### Answers identical to the base model's\n")
-    unchanged(out, summary)
+    unchanged(records, summary)
 
 
 if __name__ == "__main__":

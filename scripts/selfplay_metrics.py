@@ -49,12 +49,20 @@ def rating_spread(row):
     return max(mus) - min(mus)
 
 
-def greedy_answers(out):
-    """Every row's answers in `out`/eval/items.jsonl: {row: {(benchmark, task id, item):
-    response}}; None when the answers were sampled (then two answers of one item differ
-    anyway, so comparing them with the base model's says nothing)."""
+def load_answers(out):
+    """Every answer of `out`/eval/items.jsonl (none when it is missing). Read strictly:
+    the experiment writes this file whole, so a line that does not parse is an error,
+    not an interruption to skip."""
+    path = Path(out) / "eval" / "items.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def greedy_answers(records):
+    """Each row's answers among `records` (from load_answers): {row: {(benchmark, task id,
+    item): response}}; None when the answers were sampled (then two answers of one item
+    differ anyway, so comparing them with the base model's says nothing)."""
     answers = {}
-    for r in load_lines(Path(out) / "eval" / "items.jsonl"):
+    for r in records:
         if r["sample"] > 0:
             return None
         answers.setdefault(r["member"], {})[(r["benchmark"], r["task_id"], r["item"])] = r["response"]
