@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from selfplay_metrics import load_rows
+from selfplay_metrics import answers_file, load_answers, load_rows
 
 
 def run_line(run: Path) -> str:
@@ -35,9 +35,8 @@ def main(out: Path) -> None:
         print(f"  seeding: {'done' if seeding.exists() else 'not done'}")
         for run in ("population", "baseline"):
             print(run_line(seed / run))
-    items = out / "eval" / "items.jsonl"
-    if items.exists():
-        print(f"evaluation: done, {sum(1 for _ in items.open())} answers")
+    if answers_file(out):
+        print(f"evaluation: done, {len(load_answers(out))} answers")
     for progress in sorted((out / "eval").glob("progress-*.jsonl")):
         print(f"evaluation so far, {progress.name}: {sum(1 for _ in progress.open())} lines")
     if (out / "experiment.json").exists():

@@ -1,10 +1,20 @@
 #!/usr/bin/env python3
-"""Keeps a long experiment safe from a machine reset: copies what
-`populora experiment ... --out DIR` needs to continue into a folder that is
-committed (and back onto a fresh machine).
+"""Keeps a long experiment safe from a machine reset, and its results in the tree.
 
-    scripts/experiment-snapshot.py save DIR SNAPSHOT     # before a session stops; then commit SNAPSHOT
+    scripts/experiment-snapshot.py save DIR SNAPSHOT     # what `populora experiment ... --out DIR` needs to continue
     scripts/experiment-snapshot.py restore SNAPSHOT DIR  # on a fresh machine, before continuing
+    scripts/experiment-snapshot.py record DIR RECORD     # a finished experiment's results, to commit
+
+A snapshot holds weights (each unfinished run's newest checkpoint, finished
+runs' adapters): keep it outside the repository (the tree travels to GPU
+machines and CI refuses it above 40 MiB), or commit it only while it stays
+small. A record holds what every table and figure is computed from and no
+weights: experiment.toml and experiment.json, every run's scenario.toml,
+journal.jsonl, metrics.jsonl and seeding.json, and the answers
+(eval/items.jsonl gzipped as eval/items.jsonl.gz, the harness-format samples,
+the table); `populora experiment` and the scripts read it as they read DIR.
+The adapters it leaves out come back bit for bit with `populora replay` of
+each run (as long as the run took).
 
 What is kept: every file of DIR except sockets, reports, partial files,
 old checkpoints and what only a resume needs of a finished run. A run still
@@ -19,6 +29,7 @@ SNAPSHOT no longer kept are removed, so a commit adds at most one run's
 newest checkpoint.
 """
 import filecmp
+import gzip
 import shutil
 import sys
 from pathlib import Path
@@ -78,7 +89,7 @@ def selected(out: Path) -> list[Path]:
     return files
 
 
-def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[list[Path], int, int]:
+def mirror(src: Path, dest: Path, files: list[Path], skip_missing=False) -> tuple[list[Path], int, int]:
     """Copy `files` from `src` to `dest` where they differ; remove the rest of `dest`.
 
     The experiment may be running: a live `members/` file it replaces while
@@ -86,6 +97,9 @@ def mirror(src: Path, dest: Path, files: list[Path]) -> tuple[list[Path], int, i
     copied, present = 0, []
     for rel in files:
         a, b = src / rel, dest / rel
+        if skip_missing and not a.exists():
+            present.append(rel)  # written by the caller
+            continue
         try:
             if not (b.exists() and filecmp.cmp(a, b, shallow=False)):
                 b.parent.mkdir(parents=True, exist_ok=True)
@@ -120,9 +134,39 @@ def refill_members(out: Path) -> int:
     return filled
 
 
+def recorded(out: Path) -> list[Path]:
+    """The files of a finished experiment `out` that its record keeps, relative to it
+    (eval/items.jsonl among them, written gzipped)."""
+    files = []
+    for path in sorted(out.rglob("*")):
+        rel = path.relative_to(out)
+        weights = {"checkpoints", "members", "replay"} & set(rel.parts)
+        if not path.is_file() or path.is_symlink() or weights or SKIPPED_DIRS & set(rel.parts):
+            continue
+        if path.name in SKIPPED_NAMES or path.name.startswith("progress-") or path.name == "items.jsonl.gz":
+            continue
+        files.append(rel)
+    return files
+
+
+def record(src: Path, dest: Path) -> None:
+    if not (src / "eval" / "items.jsonl").exists():
+        sys.exit(f"{src} has no eval/items.jsonl: record a finished experiment (save a running one)")
+    files = [rel for rel in recorded(src) if rel != Path("eval/items.jsonl")]
+    dest.mkdir(parents=True, exist_ok=True)
+    files, copied, removed = mirror(src, dest, files + [Path("eval/items.jsonl.gz")], skip_missing=True)
+    # mtime 0: the same answers give the same bytes, so a commit changes only what changed.
+    data = gzip.compress((src / "eval" / "items.jsonl").read_bytes(), compresslevel=9, mtime=0)
+    (dest / "eval" / "items.jsonl.gz").write_bytes(data)
+    size = sum((dest / rel).stat().st_size for rel in files)
+    print(f"record: {len(files)} files ({size / 2**20:.1f} MiB) in {dest}; {copied} copied, {removed} removed")
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 4 or argv[1] not in ("save", "restore"):
+    if len(argv) != 4 or argv[1] not in ("save", "restore", "record"):
         sys.exit(__doc__)
+    if argv[1] == "record":
+        return record(Path(argv[2]), Path(argv[3]))
     src, dest = Path(argv[2]), Path(argv[3])
     if not (src / "experiment.toml").exists():
         sys.exit(f"{src} holds no experiment (no experiment.toml)")

@@ -2,6 +2,7 @@
 the rows themselves and the per-step measures more than one script reports;
 and, of an evaluation, its greedy answers.
 """
+import gzip
 import json
 from pathlib import Path
 
@@ -49,12 +50,25 @@ def rating_spread(row):
     return max(mus) - min(mus)
 
 
+def answers_file(out):
+    """`out`/eval/items.jsonl, or in an experiment's committed record its gzipped copy
+    (items.jsonl.gz); None when neither is there."""
+    for name in ("items.jsonl", "items.jsonl.gz"):
+        path = Path(out) / "eval" / name
+        if path.exists():
+            return path
+    return None
+
+
 def load_answers(out):
     """Every answer of `out`/eval/items.jsonl (none when it is missing). Read strictly:
     the experiment writes this file whole, so a line that does not parse is an error,
     not an interruption to skip."""
-    path = Path(out) / "eval" / "items.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    path = answers_file(out)
+    if path is None:
+        return []
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def greedy_answers(records):

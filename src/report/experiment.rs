@@ -21,12 +21,16 @@ use super::svg::escape;
 use super::{raster, svg, ReportError};
 use crate::compute::Cost;
 use crate::eval::compare::Difference;
+use crate::run_files::MetricsLine;
 use crate::scenario::experiment::MATCH_TOLERANCE;
 
 /// What an experiment produced (`DIR/experiment.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExperimentSummary {
     pub name: String,
+    /// Each arm's resolved-settings hash (`Scenario::settings_hash`), by
+    /// arm, recorded when the experiment started: every piece ran under it.
+    pub scenarios: BTreeMap<String, String>,
     /// Each seed's runs, in the experiment file's order.
     pub seeds: Vec<SeedRuns>,
     /// The subset of HumanEval problems evaluated (`eval.problems`), when
@@ -57,6 +61,85 @@ pub struct SeedRuns {
     pub baseline: RunTotals,
     /// Where the baseline had spent what one population member spent.
     pub mark: ComputeMark,
+    /// Where the baseline had spent what the whole population spent: the
+    /// nearer of its last step and the one before it.
+    pub total_mark: ComputeMark,
+    /// What each arm trained on, up to its evaluated step.
+    pub trained: ArmsTrained,
+}
+
+/// What each evaluated arm trained on: FLOPs are the matching rule, and
+/// these say what the FLOPs bought.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArmsTrained {
+    pub population: TrainedOn,
+    /// The baseline up to its per-adapter mark, and up to its total mark.
+    pub baseline_per_adapter: TrainedOn,
+    pub baseline_total: TrainedOn,
+}
+
+/// A run's rollouts and updates up to one of its steps (`metrics.jsonl`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainedOn {
+    pub steps: u64,
+    /// Rollouts generated (proposer and solver).
+    pub rollouts: usize,
+    /// Rollouts with a non-zero TRR++ advantage: the ones that move the
+    /// policy (the train step skips the others).
+    pub nonzero_rollouts: usize,
+    /// Optimizer steps summed over the adapters, and the adapters that
+    /// took them (every member that ever trained, evolution's newborns
+    /// included; 1 for the baseline).
+    pub optimizer_steps: usize,
+    pub adapters: usize,
+    /// Solver rollouts, and those on buffer problems rather than a matched
+    /// teacher's (`None` for runs from before they were counted).
+    pub solver_rollouts: Option<usize>,
+    pub buffer_rollouts: Option<usize>,
+}
+
+impl TrainedOn {
+    /// From a run's metrics lines, steps `1..=until`.
+    pub fn of(lines: &[MetricsLine], until: u64) -> TrainedOn {
+        let lines: Vec<&MetricsLine> = lines.iter().filter(|l| l.step <= until).collect();
+        let groups = || {
+            lines
+                .iter()
+                .flat_map(|l| &l.members)
+                .flat_map(|m| &m.groups)
+        };
+        let counted = |field: fn(&MetricsLine) -> Option<usize>| {
+            lines.iter().map(|l| field(l)).sum::<Option<usize>>()
+        };
+        let updates: Vec<&str> = lines
+            .iter()
+            .flat_map(|l| &l.members)
+            .filter(|m| m.grad_norm.is_some())
+            .map(|m| m.id.as_str())
+            .collect();
+        let adapters: std::collections::BTreeSet<&str> = updates.iter().copied().collect();
+        TrainedOn {
+            steps: lines.len() as u64,
+            rollouts: groups().map(|g| g.rollouts).sum(),
+            nonzero_rollouts: groups().map(|g| g.nonzero_advantage).sum(),
+            optimizer_steps: updates.len(),
+            adapters: adapters.len(),
+            solver_rollouts: counted(|l| l.solver_rollouts),
+            buffer_rollouts: counted(|l| l.buffer_rollouts),
+        }
+    }
+
+    pub fn steps_per_adapter(&self) -> f64 {
+        self.optimizer_steps as f64 / self.adapters.max(1) as f64
+    }
+
+    pub fn nonzero_share(&self) -> f64 {
+        self.nonzero_rollouts as f64 / self.rollouts.max(1) as f64
+    }
+
+    pub fn buffer_share(&self) -> Option<f64> {
+        Some(self.buffer_rollouts? as f64 / self.solver_rollouts?.max(1) as f64)
+    }
 }
 
 /// What the seeding stage did; its compute is not part of either arm's.
@@ -143,6 +226,14 @@ pub struct SeedRow {
     /// Chosen on the selection problems, scored on the others.
     pub best: (String, f64),
     pub weakest: (String, f64),
+    /// The members that tied for best (weakest) on the selection problems,
+    /// among which a draw seeded by the first seed, the benchmark and this
+    /// seed chose it (the weakest among those left once the best was
+    /// drawn); empty when one member was alone.
+    #[serde(default)]
+    pub best_drawn_from: Vec<String>,
+    #[serde(default)]
+    pub weakest_drawn_from: Vec<String>,
     pub baseline: f64,
 }
 
@@ -160,13 +251,6 @@ pub struct EvaluationTotals {
     pub answers: usize,
     /// Wall time of the stage as it last ran (0 when it was already done).
     pub wall_s: f64,
-}
-
-/// How far the baseline's compute is from the population's, as a fraction
-/// of the population's (+0.03: the baseline spent 3 % more).
-pub fn compute_gap(population: &RunTotals, baseline: &RunTotals) -> f64 {
-    let (p, b) = (population.compute.flops, baseline.compute.flops);
-    (b - p) / p.max(1.0)
 }
 
 /// Dynamics figures shown for both runs, with what they show.
@@ -208,6 +292,14 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
     })
 }
 
+/// A chosen member's name, saying so when it was drawn from a tie.
+fn chosen(name: &str, drawn_from: &[String]) -> String {
+    match drawn_from.len() {
+        0 => name.to_string(),
+        n => format!("{name} (drawn from {n} tied)"),
+    }
+}
+
 /// The comparison as plain text (what `populora experiment` prints).
 pub fn text(summary: &ExperimentSummary) -> String {
     let mut out = String::new();
@@ -215,13 +307,14 @@ pub fn text(summary: &ExperimentSummary) -> String {
         let (p, b) = (&s.population, &s.baseline);
         let _ = writeln!(
             out,
-            "seed {}: compute: population {:.2} TFLOP in {} steps, baseline {:.2} TFLOP in {} steps ({:+.1} %), per-adapter mark {:.2} of {:.2} TFLOP at step {} ({:+.1} %){}",
+            "seed {}: compute: population {:.2} TFLOP in {} steps, baseline {:.2} TFLOP at step {} of its {} ({:+.1} %), per-adapter mark {:.2} of {:.2} TFLOP at step {} ({:+.1} %){}",
             s.seed,
             p.compute.flops / 1e12,
             p.steps,
-            b.compute.flops / 1e12,
+            s.total_mark.spent_tflop,
+            s.total_mark.step,
             b.steps,
-            100.0 * compute_gap(p, b),
+            100.0 * s.total_mark.gap(),
             s.mark.spent_tflop,
             s.mark.target_tflop,
             s.mark.step,
@@ -231,6 +324,9 @@ pub fn text(summary: &ExperimentSummary) -> String {
                 sd.compute.flops / 1e12
             )),
         );
+        for (label, line) in trained_lines(s) {
+            let _ = writeln!(out, "  {label}: {line}");
+        }
     }
     for c in &summary.comparisons {
         let _ = writeln!(
@@ -252,9 +348,9 @@ pub fn text(summary: &ExperimentSummary) -> String {
                 percent(row.all),
                 percent(row.students),
                 percent(row.teachers),
-                row.best.0,
+                chosen(&row.best.0, &row.best_drawn_from),
                 percent(row.best.1),
-                row.weakest.0,
+                chosen(&row.weakest.0, &row.weakest_drawn_from),
                 percent(row.weakest.1),
                 percent(row.baseline),
             );
@@ -309,6 +405,7 @@ fn page(summary: &ExperimentSummary, dir: &Path) -> String {
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\"/>\n<title>populora experiment: {name}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<main>\n<h1>populora experiment: {name}</h1>\n"
     );
     compute_table(&mut out, summary);
+    trained_table(&mut out, summary);
     for matching in Matching::BOTH {
         eval_table(&mut out, summary, matching);
     }
@@ -316,6 +413,60 @@ fn page(summary: &ExperimentSummary, dir: &Path) -> String {
     dynamics(&mut out, summary, dir);
     out.push_str("</main>\n</body>\n</html>\n");
     out
+}
+
+/// Each arm's rows of what it trained on, labelled.
+fn arms(s: &SeedRuns) -> [(&'static str, &TrainedOn); 3] {
+    [
+        ("population", &s.trained.population),
+        ("baseline per adapter", &s.trained.baseline_per_adapter),
+        ("baseline whole population", &s.trained.baseline_total),
+    ]
+}
+
+/// What the FLOPs bought: one line per arm, `(label, text)`.
+fn trained_lines(s: &SeedRuns) -> Vec<(&'static str, String)> {
+    arms(s)
+        .into_iter()
+        .map(|(label, t)| {
+            let buffer = t
+                .buffer_share()
+                .map_or("not counted".into(), |b| format!("{:.0} %", 100.0 * b));
+            let text = format!(
+                "{} steps, {} rollouts, {} with a non-zero advantage ({:.0} %), {:.1} optimizer steps per adapter ({} adapters ever), solver rollouts on buffer problems {buffer}",
+                t.steps,
+                t.rollouts,
+                t.nonzero_rollouts,
+                100.0 * t.nonzero_share(),
+                t.steps_per_adapter(),
+                t.adapters,
+            );
+            (label, text)
+        })
+        .collect()
+}
+
+fn trained_table(out: &mut String, summary: &ExperimentSummary) {
+    out.push_str("<h2>What each arm trained on</h2>\n<table>\n<tr><th>seed</th><th>arm</th><th>steps</th><th>rollouts</th><th>non-zero advantage</th><th>optimizer steps per adapter</th><th>solver rollouts on buffer problems</th></tr>\n");
+    for s in &summary.seeds {
+        for (label, t) in arms(s) {
+            let buffer = t
+                .buffer_share()
+                .map_or("–".into(), |b| format!("{:.0} %", 100.0 * b));
+            let _ = writeln!(
+                out,
+                "<tr><td>{}</td><td>{label}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{} ({:.0} %)</td><td class=\"num\">{:.1} ({} adapters ever)</td><td class=\"num\">{buffer}</td></tr>",
+                s.seed,
+                t.steps,
+                t.rollouts,
+                t.nonzero_rollouts,
+                100.0 * t.nonzero_share(),
+                t.steps_per_adapter(),
+                t.adapters,
+            );
+        }
+    }
+    out.push_str("</table>\n<p class=\"small\">Compute is matched on FLOPs; a rollout whose advantage is 0 adds nothing to the gradient and costs no train-step FLOPs, so an arm with smaller advantage groups buys fewer trained rollouts than generated ones. Up to each row's evaluated step.</p>\n");
 }
 
 fn compute_table(out: &mut String, summary: &ExperimentSummary) {
@@ -349,16 +500,26 @@ fn compute_table(out: &mut String, summary: &ExperimentSummary) {
                 c.computed_trained_tokens,
             );
         }
-        let _ = writeln!(
-            out,
-            "<tr><td>{}</td><td>baseline per adapter (step {})</td><td class=\"num\">{}</td><td class=\"num\">{:.2} of {:.2}</td><td class=\"num\">–</td><td class=\"num\">–</td><td class=\"num\">–</td></tr>",
-            s.seed, s.mark.step, s.mark.step, s.mark.spent_tflop, s.mark.target_tflop,
-        );
+        for (label, mark) in [
+            ("baseline per adapter", &s.mark),
+            ("baseline whole population", &s.total_mark),
+        ] {
+            let _ = writeln!(
+                out,
+                "<tr><td>{}</td><td>{label} (step {})</td><td class=\"num\">{}</td><td class=\"num\">{:.2} of {:.2} ({:+.2} %)</td><td class=\"num\">–</td><td class=\"num\">–</td><td class=\"num\">–</td></tr>",
+                s.seed,
+                mark.step,
+                mark.step,
+                mark.spent_tflop,
+                mark.target_tflop,
+                100.0 * mark.gap(),
+            );
+        }
     }
     let e = &summary.evaluation;
     let _ = writeln!(
         out,
-        "</table>\n<p class=\"small\">The baseline ran until it had spent what the whole population spent; its checkpoint where it had spent what one member spent (the population's total over its members) is the per-adapter row. Both within ±{:.0} %. FLOPs of the frozen base's forward and input-gradient backward, 2 per multiply-add, each shared prompt counted once (metrics.jsonl's <code>compute</code>); the seeding stage is reported apart and matched by neither. Evaluation: {} rows, {} answers, {:.0} min.</p>",
+        "</table>\n<p class=\"small\">The baseline ran until it had spent what the whole population spent; the whole-population row is the nearer of its last step and the one before, and the per-adapter row its step nearest what one member spent (the population's total over its members), both chosen after the fact among checkpoints kept around each target. Both within ±{:.0} %. FLOPs of the frozen base's forward and input-gradient backward, 2 per multiply-add, each shared prompt counted once (metrics.jsonl's <code>compute</code>); the seeding stage is reported apart and matched by neither. Evaluation: {} rows, {} answers, {:.0} min.</p>",
         100.0 * MATCH_TOLERANCE,
         e.rows,
         e.answers,
@@ -414,9 +575,9 @@ fn eval_table(out: &mut String, summary: &ExperimentSummary, matching: Matching)
                 percent(row.students),
                 percent(row.teachers),
                 percent(row.best.1),
-                escape(&row.best.0),
+                escape(&chosen(&row.best.0, &row.best_drawn_from)),
                 percent(row.weakest.1),
-                escape(&row.weakest.0),
+                escape(&chosen(&row.weakest.0, &row.weakest_drawn_from)),
                 percent(row.baseline),
             );
         }

@@ -40,6 +40,13 @@ pub struct MetricsLine {
     /// every member runs in the `run` process).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wire_bytes: Option<WireBytes>,
+    /// Solver rollouts this step, and how many of them solved a problem
+    /// drawn from the task buffers rather than a matched teacher's (`None`
+    /// in runs from before this was counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub solver_rollouts: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_rollouts: Option<usize>,
 }
 
 /// One member's numbers after a step.

@@ -23,6 +23,40 @@ use super::{validate, ErrorKind, Mode, Scenario, ScenarioError};
 /// How far the baseline's compute may be from the population's: 5 %.
 pub const MATCH_TOLERANCE: f64 = 0.05;
 
+/// The keys (and sections) in which an experiment's two arms may differ:
+/// what defines an arm (its population, evolution, steps and proposals per
+/// teacher, its scripted events), what the experiment sets itself (the name,
+/// the seed, the budget and the checkpoints' compute marks), and where the
+/// members run (`[cluster]`: placement, not settings). Everything else,
+/// `[model]`, `[lora]`, `[training]`, `[rewards]`, `[verifier]`, `[seeding]`
+/// and the rest of `[selfplay]`, must be equal.
+pub const ARM_KEYS: [&str; 10] = [
+    "name",
+    "seed",
+    "steps",
+    "budget_tflop",
+    "population",
+    "evolution",
+    "checkpoint",
+    "events",
+    "cluster",
+    "selfplay.proposals_per_teacher",
+];
+
+/// The keys in which two arms' scenarios differ outside [`ARM_KEYS`].
+pub fn arm_differences(population: &Scenario, baseline: &Scenario) -> Vec<String> {
+    let exempt = |key: &str| {
+        ARM_KEYS
+            .iter()
+            .any(|a| key == *a || key.starts_with(&format!("{a}.")))
+    };
+    population
+        .differing_keys(baseline)
+        .into_iter()
+        .filter(|k| !exempt(k))
+        .collect()
+}
+
 /// An experiment file as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -159,13 +193,14 @@ impl Experiment {
             let why = "baseline must name a scenario with population.mode = \"solo\"";
             return Err(fail("baseline", why.into()));
         }
-        if population.model != baseline.model {
-            let why = "the population and the baseline must use the same [model]";
-            return Err(fail("baseline", why.into()));
-        }
-        if population.seeding != baseline.seeding {
-            let why = "the population and the baseline must have the same [seeding]: each seed's stage is run once and both arms start from it";
-            return Err(fail("baseline", why.into()));
+        let differing = arm_differences(&population, &baseline);
+        if !differing.is_empty() {
+            let why = format!(
+                "the population and the baseline differ in {}: the two arms may differ only in what defines an arm or what the experiment sets ({})",
+                differing.join(", "),
+                ARM_KEYS.join(", ")
+            );
+            return Err(fail("baseline", why));
         }
 
         Ok(LoadedExperiment {

@@ -42,11 +42,12 @@ pub struct Scenario {
     /// Total self-play steps, >= 1. Required.
     pub steps: u64,
     /// Compute budget in TFLOP (forward and backward, as `metrics.jsonl`'s
-    /// `compute` counts it): the run ends at the step boundary nearest it
-    /// (once another step like the last would overshoot it by more than the
-    /// run now falls short), or after `steps`, whichever comes first.
-    /// Default: none. `populora experiment` sets a baseline's budget to its
-    /// population's spending.
+    /// `compute` counts it): the run ends at the first step boundary at or
+    /// past it, or after `steps`, whichever comes first. The boundary
+    /// nearest the budget (that last one or the one before it, kept as a
+    /// checkpoint) is journaled as a `compute_mark`, as `checkpoint.at_tflop`'s
+    /// are. Default: none. `populora experiment` sets a baseline's budget to
+    /// its population's spending.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_tflop: Option<f64>,
     /// The frozen base model.
@@ -554,11 +555,13 @@ impl Default for VerifierSection {
 pub struct CheckpointSection {
     /// Steps between checkpoints, >= 1. Default: 5.
     pub every: u64,
-    /// Compute marks in TFLOP, each > 0: a checkpoint is also written at the
-    /// step boundary where the run's compute crosses each (the boundary
-    /// nearest it, by `budget_tflop`'s rule) and journaled as a
-    /// `compute_mark`. `populora experiment` marks a baseline where it has
-    /// spent what one population member spent. Default: none.
+    /// Compute marks in TFLOP, each > 0, chosen after the fact: every step
+    /// boundary from which a step as large as the largest so far could
+    /// cross a mark is checkpointed, and at the boundary that crosses it,
+    /// the nearer of that boundary and the one before it is journaled as a
+    /// `compute_mark` (with its checkpoint). `populora experiment` marks a
+    /// baseline where it has spent what one population member spent.
+    /// Default: none.
     pub at_tflop: Vec<f64>,
 }
 
@@ -833,6 +836,22 @@ impl Scenario {
         format!("# Resolved scenario: every default written out.\n\n{body}")
     }
 
+    /// The dotted keys whose resolved values differ between two scenarios
+    /// (a table's keys one by one, a list as a whole), sorted.
+    pub fn differing_keys(&self, other: &Scenario) -> Vec<String> {
+        let value = |s: &Scenario| toml::Value::try_from(s).expect("scenario values fit in TOML");
+        let mut keys = Vec::new();
+        differing(&value(self), &value(other), "", &mut keys);
+        keys
+    }
+
+    /// A SHA-256 of the resolved scenario: equal for files that differ in
+    /// comments and layout only.
+    pub fn settings_hash(&self) -> String {
+        use sha2::Digest;
+        crate::base::fetch::hex(&sha2::Sha256::digest(self.to_toml().as_bytes()))
+    }
+
     // ------------------------------------------------------------ members
 
     /// Initial member ids in a fixed order: `teacher-0..T`, then `student-0..S`;
@@ -854,6 +873,26 @@ impl Scenario {
         match self.population.mode {
             Mode::Solo => 0,
             Mode::Population => index % self.population.subpopulations.max(1),
+        }
+    }
+}
+
+fn differing(a: &toml::Value, b: &toml::Value, at: &str, keys: &mut Vec<String>) {
+    let (toml::Value::Table(a), toml::Value::Table(b)) = (a, b) else {
+        if a != b {
+            keys.push(at.to_string());
+        }
+        return;
+    };
+    let names: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    for name in names {
+        let key = match at {
+            "" => name.clone(),
+            _ => format!("{at}.{name}"),
+        };
+        match (a.get(name), b.get(name)) {
+            (Some(x), Some(y)) => differing(x, y, &key, keys),
+            _ => keys.push(key),
         }
     }
 }

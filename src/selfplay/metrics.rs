@@ -49,6 +49,9 @@ pub struct StepMetrics {
     pub grad_norm: BTreeMap<MemberId, f64>,
     /// The step's compute: its generated and trained rows ([`Cost`]).
     pub compute: Cost,
+    /// Solver rollouts, and those on buffer problems (no matched teacher's).
+    pub solver_rollouts: usize,
+    pub buffer_rollouts: usize,
 }
 
 impl StepMetrics {
@@ -128,6 +131,11 @@ impl StepMetrics {
             tokens: token_metrics(settings, episodes),
             member_reward: member_means(episodes),
             member_groups: member_groups(episodes, &batch.advantages),
+            solver_rollouts: solves.len(),
+            buffer_rollouts: solves
+                .iter()
+                .filter(|s| problems[s.job.problem].proposal.is_none())
+                .count(),
             ..Default::default()
         }
     }

@@ -284,6 +284,8 @@ fn sample_line() -> MetricsLine {
         compute: Some(cost(1000)),
         compute_total: Some(cost(12000)),
         wire_bytes: None,
+        solver_rollouts: Some(16),
+        buffer_rollouts: Some(8),
     }
 }
 

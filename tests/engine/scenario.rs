@@ -543,7 +543,7 @@ fn shipped_scenarios_parse() {
 #[test]
 fn shipped_experiments_load() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
-    for file in ["quick.toml", "paper-4t4s.toml"] {
+    for file in ["quick.toml", "paper-4t4s.toml", "small-4t4s.toml"] {
         let loaded = Experiment::from_file(&root.join(file), check_operator)
             .unwrap_or_else(|e| panic!("{e}"));
         let (p, b) = (&loaded.population, &loaded.baseline);
@@ -560,6 +560,50 @@ fn shipped_experiments_load() {
             "{file}: the experiment sets the budget"
         );
     }
+}
+
+/// The two arms may differ only in what defines an arm (population,
+/// evolution, steps, proposals per teacher, events, checkpoints) and what
+/// the experiment sets (name, seed, budget); any other key is refused, each
+/// differing key named, `[training]`, `[lora]`, the rewards and the rest of
+/// `[selfplay]` included.
+#[test]
+fn an_experiments_arms_differ_only_in_what_defines_an_arm() {
+    let dir = std::env::temp_dir().join(format!("populora-arms-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
+    let population = std::fs::read_to_string(root.join("quick-population.toml")).unwrap();
+    let baseline = std::fs::read_to_string(root.join("quick-baseline.toml")).unwrap();
+    std::fs::write(dir.join("p.toml"), &population).unwrap();
+    let experiment = dir.join("e.toml");
+    std::fs::write(
+        &experiment,
+        "population = \"p.toml\"\nbaseline = \"b.toml\"\n",
+    )
+    .unwrap();
+    let load = |baseline_text: &str| {
+        std::fs::write(dir.join("b.toml"), baseline_text).unwrap();
+        Experiment::from_file(&experiment, check_operator)
+    };
+    let loaded = load(&baseline).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        loaded.population.checkpoint != loaded.baseline.checkpoint
+            || loaded.population.steps != loaded.baseline.steps
+    );
+    let edited = format!(
+        "{}\n[rewards]\nwrong = -0.25\n",
+        baseline.replace("lr = 5e-5", "lr = 0.5").replace(
+            "[selfplay]\n",
+            "[selfplay]\nshare_prefixes = false\nadvantage_groups = \"pooled\"\n"
+        )
+    );
+    let err = load(&edited).unwrap_err().to_string();
+    for key in ["training.lr", "rewards.wrong", "selfplay.share_prefixes"] {
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    // advantage_groups = "pooled" is the default: not a difference.
+    assert!(!err.contains("advantage_groups"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -585,7 +629,7 @@ fn malformed_experiments_name_the_key() {
         (
             format!("population = {pop:?}\nbaseline = {solo:?}\n"),
             "baseline",
-            "same [model]",
+            "model.source",
         ),
         (
             format!("population = {pop:?}\nbaseline = {solo:?}\n[eval]\nbootstrap = 5\n"),

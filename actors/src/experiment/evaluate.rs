@@ -192,11 +192,6 @@ pub fn members_under(root: &Path, prefix: &str) -> anyhow::Result<Vec<Row>> {
         .collect()
 }
 
-/// The names of the members saved under `DIR/members/`, sorted.
-pub fn member_names(dir: &Path) -> anyhow::Result<Vec<String>> {
-    names_under(&dir.join("members"))
-}
-
 fn names_under(root: &Path) -> anyhow::Result<Vec<String>> {
     let mut names: Vec<String> = std::fs::read_dir(root)
         .with_context(|| format!("{} is missing (is it a run directory?)", root.display()))?

@@ -1,10 +1,12 @@
 //! Compute matching, two ways from one baseline run: the baseline's budget
-//! is what the whole population spent, and its compute mark is what one
-//! member spent (the population's total over its members); both must land
-//! within [`MATCH_TOLERANCE`] of their targets.
+//! is what the whole population spent, and its other compute mark is what
+//! one member spent (the population's total over its members). Each mark is
+//! the step boundary nearest its target, chosen by the run after the fact
+//! (the coordinator's `compute_marks`); both must land within
+//! [`MATCH_TOLERANCE`] of their targets.
 
 use anyhow::bail;
-use populora::report::experiment::{compute_gap, ComputeMark, RunTotals};
+use populora::report::experiment::{ComputeMark, RunTotals};
 use populora::run_files::Event;
 use populora::scenario::Scenario;
 
@@ -35,15 +37,22 @@ impl Targets {
     }
 }
 
-/// The baseline spent what the population spent, within [`MATCH_TOLERANCE`].
-pub fn check_total(population: &RunTotals, baseline: &RunTotals) -> anyhow::Result<()> {
-    let (p, b) = (population.compute.flops, baseline.compute.flops);
-    let gap = compute_gap(population, baseline);
-    if gap.abs() <= MATCH_TOLERANCE {
-        return Ok(());
+/// The baseline's boundary nearest what the population spent (its budget's
+/// compute mark; for a run from before budgets were marked, its end),
+/// within [`MATCH_TOLERANCE`].
+pub fn total_mark(population: &RunTotals, baseline: &RunTotals) -> anyhow::Result<ComputeMark> {
+    let target_tflop = population.compute.flops / 1e12;
+    let end = ComputeMark {
+        step: baseline.steps,
+        target_tflop,
+        spent_tflop: baseline.compute.flops / 1e12,
+    };
+    let mark = journaled_mark(baseline, target_tflop)?.unwrap_or(end);
+    if mark.gap().abs() <= MATCH_TOLERANCE {
+        return Ok(mark);
     }
     let base_dir = baseline.dir.display();
-    let why = if gap < 0.0 {
+    let why = if mark.gap() < 0.0 {
         format!(
             "it ran out of steps ({}) first; raise `steps` in the baseline scenario, delete {base_dir}",
             baseline.steps
@@ -56,10 +65,11 @@ pub fn check_total(population: &RunTotals, baseline: &RunTotals) -> anyhow::Resu
         )
     };
     bail!(
-        "the baseline spent {:.3} TFLOP against the population's {:.3} ({:+.1} %, allowed ±{:.0} %): {why}, then run the experiment again",
-        b / 1e12,
-        p / 1e12,
-        100.0 * gap,
+        "the baseline's step {} spent {:.3} TFLOP against the population's {:.3} ({:+.1} %, allowed ±{:.0} %): {why}, then run the experiment again",
+        mark.step,
+        mark.spent_tflop,
+        target_tflop,
+        100.0 * mark.gap(),
         100.0 * MATCH_TOLERANCE,
     )
 }
@@ -67,20 +77,7 @@ pub fn check_total(population: &RunTotals, baseline: &RunTotals) -> anyhow::Resu
 /// The baseline's checkpoint at the per-adapter target, from its journal,
 /// within [`MATCH_TOLERANCE`] of it.
 pub fn per_adapter_mark(baseline: &RunTotals, target_tflop: f64) -> anyhow::Result<ComputeMark> {
-    let events = journal::read(&RunDir::new(&baseline.dir).journal())?;
-    let mark = events.iter().find_map(|e| match e {
-        Event::ComputeMark {
-            step,
-            target_tflop: t,
-            spent_tflop,
-        } if (t - target_tflop).abs() <= 1e-9 * target_tflop.abs().max(1.0) => Some(ComputeMark {
-            step: *step,
-            target_tflop,
-            spent_tflop: *spent_tflop,
-        }),
-        _ => None,
-    });
-    let Some(mark) = mark else {
+    let Some(mark) = journaled_mark(baseline, target_tflop)? else {
         bail!(
             "{} has no compute mark at {target_tflop:.3} TFLOP (what one population member spent); delete it and run the experiment again",
             baseline.dir.display()
@@ -98,4 +95,21 @@ pub fn per_adapter_mark(baseline: &RunTotals, target_tflop: f64) -> anyhow::Resu
         );
     }
     Ok(mark)
+}
+
+/// The compute mark the baseline's journal holds for `target_tflop`.
+fn journaled_mark(baseline: &RunTotals, target_tflop: f64) -> anyhow::Result<Option<ComputeMark>> {
+    let events = journal::read(&RunDir::new(&baseline.dir).journal())?;
+    Ok(events.iter().find_map(|e| match e {
+        Event::ComputeMark {
+            step,
+            target_tflop: t,
+            spent_tflop,
+        } if (t - target_tflop).abs() <= 1e-9 * target_tflop.abs().max(1.0) => Some(ComputeMark {
+            step: *step,
+            target_tflop,
+            spent_tflop: *spent_tflop,
+        }),
+        _ => None,
+    }))
 }

@@ -39,7 +39,7 @@ mod statistics;
 
 use std::path::Path;
 
-use populora::report::experiment::{ExperimentSummary, SeedRuns};
+use populora::report::experiment::{ArmsTrained, ExperimentSummary, SeedRuns, TrainedOn};
 use populora::scenario::experiment::LoadedExperiment;
 
 pub use populora::scenario::experiment::MATCH_TOLERANCE;
@@ -50,7 +50,7 @@ pub fn run(
     file: &Path,
     out: &Path,
 ) -> anyhow::Result<ExperimentSummary> {
-    stages::claim(out, file)?;
+    stages::claim(out, file, loaded)?;
     let seeds = loaded.seeds();
     if seeds.len() < 3 {
         eprintln!(
@@ -87,8 +87,14 @@ fn seed_runs(loaded: &LoadedExperiment, out: &Path, seed: u64) -> anyhow::Result
     let mut baseline = stages::with_seed(&loaded.baseline, seed);
     targets.apply(&mut baseline);
     let base = stages::run(&dir.join("baseline"), baseline, seeded.clone())?;
-    matching::check_total(&pop, &base)?;
+    let total_mark = matching::total_mark(&pop, &base)?;
     let mark = matching::per_adapter_mark(&base, targets.per_adapter_tflop)?;
+    let (pop_lines, base_lines) = (stages::metrics(&pop.dir)?, stages::metrics(&base.dir)?);
+    let trained = ArmsTrained {
+        population: TrainedOn::of(&pop_lines, pop.steps),
+        baseline_per_adapter: TrainedOn::of(&base_lines, mark.step),
+        baseline_total: TrainedOn::of(&base_lines, total_mark.step),
+    };
     Ok(SeedRuns {
         seed,
         seeding: seeded.map(|s| stages::seeding_totals(&s)),
@@ -96,5 +102,7 @@ fn seed_runs(loaded: &LoadedExperiment, out: &Path, seed: u64) -> anyhow::Result
         members,
         baseline: base,
         mark,
+        total_mark,
+        trained,
     })
 }

@@ -25,7 +25,7 @@ use populora::report::experiment::{
     Comparison, Contrast, ExperimentSummary, Matching, SeedRow, SeedRuns,
 };
 use populora::scenario::experiment::LoadedExperiment;
-use rand::seq::SliceRandom;
+use rand::seq::{IndexedRandom, SliceRandom};
 
 use super::evaluate::BASE_ROW;
 use super::stages::{Evaluated, SeedRows};
@@ -56,6 +56,7 @@ pub fn summarize(
                 matching,
                 &evaluated.rows,
                 &split,
+                first_seed,
             )?;
             let resamples = loaded.experiment.eval.bootstrap;
             comparisons.push(table.compare(first_seed, resamples));
@@ -63,6 +64,7 @@ pub fn summarize(
     }
     Ok(ExperimentSummary {
         name: loaded.experiment.name.clone(),
+        scenarios: super::stages::scenario_hashes(loaded),
         seeds: runs.to_vec(),
         subset: super::stages::subset(loaded)?,
         selection: split.selected,
@@ -150,9 +152,44 @@ struct SeedTable {
     seed: u64,
     /// (name, is a student, tallies on the reported problems)
     members: Vec<(String, bool, Tallies)>,
-    best: usize,
-    weakest: usize,
+    best: Choice,
+    weakest: Choice,
     baseline: Tallies,
+}
+
+/// A member chosen on the selection problems, and the members that tied
+/// with it there (by index; empty when it was alone), among which a seeded
+/// draw chose it.
+struct Choice {
+    member: usize,
+    tied: Vec<usize>,
+}
+
+impl Choice {
+    /// The best (`sign` 1) or weakest (`sign` -1) of `scores`, a tie broken
+    /// by a draw from `rng` among the tied members less `besides`.
+    fn of(scores: &[f64], sign: f64, besides: Option<usize>, rng: &mut impl rand::Rng) -> Choice {
+        let top = scores
+            .iter()
+            .map(|s| sign * s)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let tied: Vec<usize> = (0..scores.len())
+            .filter(|&i| sign * scores[i] == top)
+            .collect();
+        if tied.len() == 1 {
+            return Choice {
+                member: tied[0],
+                tied: Vec::new(),
+            };
+        }
+        let eligible: Vec<usize> = tied
+            .iter()
+            .copied()
+            .filter(|&i| Some(i) != besides)
+            .collect();
+        let member = *eligible.choose(rng).expect("at least two tied members");
+        Choice { member, tied }
+    }
 }
 
 /// Which members a difference averages.
@@ -192,6 +229,7 @@ impl Table {
         matching: Matching,
         rows: &[SeedRows],
         split: &Split,
+        first_seed: u64,
     ) -> anyhow::Result<Table> {
         let seeds = rows
             .iter()
@@ -224,10 +262,15 @@ impl Table {
                         r.baseline(matching)
                     );
                 }
+                // The same draw under both matchings: the members and
+                // their selection scores do not depend on the matching.
+                let mut rng = keyed_stream!(first_seed, "experiment-ties", benchmark, r.seed);
+                let best = Choice::of(&chosen, 1.0, None, &mut rng);
+                let weakest = Choice::of(&chosen, -1.0, Some(best.member), &mut rng);
                 Ok(SeedTable {
                     seed: r.seed,
-                    best: first_where(&chosen, |a, b| a > b),
-                    weakest: first_where(&chosen, |a, b| a < b),
+                    best,
+                    weakest,
                     members,
                     baseline,
                 })
@@ -248,14 +291,17 @@ impl Table {
             .iter()
             .map(|s| {
                 let named = |i: usize| (s.members[i].0.clone(), s.members[i].2.score(&ones));
+                let tied = |c: &Choice| c.tied.iter().map(|&i| s.members[i].0.clone()).collect();
                 SeedRow {
                     seed: s.seed,
                     members: (0..s.members.len()).map(named).collect(),
                     all: s.group(Group::All, &ones),
                     students: s.group(Group::Students, &ones),
                     teachers: s.group(Group::Teachers, &ones),
-                    best: named(s.best),
-                    weakest: named(s.weakest),
+                    best: named(s.best.member),
+                    weakest: named(s.weakest.member),
+                    best_drawn_from: tied(&s.best),
+                    weakest_drawn_from: tied(&s.weakest),
                     baseline: s.baseline.score(&ones),
                 }
             })
@@ -307,8 +353,8 @@ impl SeedTable {
     fn group(&self, group: Group, weights: &[f64]) -> f64 {
         let score = |i: usize| self.members[i].2.score(weights);
         let pick: Vec<usize> = match group {
-            Group::Best => return score(self.best),
-            Group::Weakest => return score(self.weakest),
+            Group::Best => return score(self.best.member),
+            Group::Weakest => return score(self.weakest.member),
             Group::All => (0..self.members.len()).collect(),
             Group::Students => (0..self.members.len())
                 .filter(|&i| self.members[i].1)
@@ -324,12 +370,6 @@ impl SeedTable {
         };
         pick.iter().map(|&i| score(i)).sum::<f64>() / pick.len() as f64
     }
-}
-
-/// The first index whose value beats every other by `better` (ties: the
-/// first, as members are listed by name).
-fn first_where(values: &[f64], better: fn(f64, f64) -> bool) -> usize {
-    (1..values.len()).fold(0, |w, i| if better(values[i], values[w]) { i } else { w })
 }
 
 #[cfg(test)]
@@ -368,6 +408,58 @@ mod tests {
         assert!(Split::of(&records[..2], 5, 0.3).is_err());
     }
 
+    /// Members that tie on the selection problems are not chosen by name
+    /// order: a seeded draw picks the best among them and the weakest
+    /// among the others, the same under both matchings, and the rows say
+    /// which members tied.
+    #[test]
+    fn tied_members_are_drawn_and_best_and_weakest_differ() {
+        let probe: Vec<ItemRecord> = (0..10)
+            .map(|p| record("x", &format!("HumanEval/{p}"), true))
+            .collect();
+        let split = Split::of(&probe, 1, 0.3).unwrap();
+        let names = ["student-0", "student-1", "teacher-0", "teacher-1"];
+        let mut records = Vec::new();
+        for p in 0..10 {
+            let id = format!("HumanEval/{p}");
+            // Every member passes the same problems: all tie everywhere.
+            for name in names {
+                records.push(record(&format!("seed-1/{name}"), &id, p % 3 == 0));
+            }
+            for row in [
+                "seed-1/baseline/solo-0",
+                "seed-1/baseline-per-adapter/solo-0",
+            ] {
+                records.push(record(row, &id, p % 2 == 0));
+            }
+        }
+        let rows = [SeedRows {
+            seed: 1,
+            members: names.map(String::from).to_vec(),
+            baseline: "solo-0".into(),
+        }];
+        let chosen = |matching, first_seed| {
+            let table =
+                Table::of(&records, "humaneval", matching, &rows, &split, first_seed).unwrap();
+            let row = table.compare(first_seed, 100).per_seed[0].clone();
+            (row.best.0.clone(), row.weakest.0.clone(), row)
+        };
+        let (best, weakest, row) = chosen(Matching::Total, 1);
+        assert_ne!(best, weakest);
+        assert_eq!(row.best_drawn_from, names.map(String::from).to_vec());
+        assert_eq!(row.weakest_drawn_from, names.map(String::from).to_vec());
+        let (best2, weakest2, _) = chosen(Matching::PerAdapter, 1);
+        assert_eq!((best2, weakest2), (best.clone(), weakest.clone()));
+        // Another first seed draws again (not always the same pair).
+        let pairs: std::collections::BTreeSet<(String, String)> = (1..12)
+            .map(|seed| {
+                let (b, w, _) = chosen(Matching::Total, seed);
+                (b, w)
+            })
+            .collect();
+        assert!(pairs.len() > 1, "{pairs:?}");
+    }
+
     #[test]
     fn the_best_member_is_chosen_on_the_selection_and_reported_on_the_rest() {
         // "a" wins every selection problem and loses every reported one:
@@ -390,7 +482,7 @@ mod tests {
             members: vec!["student-0".into(), "teacher-0".into()],
             baseline: "solo-0".into(),
         }];
-        let table = Table::of(&records, "humaneval", Matching::Total, &rows, &split).unwrap();
+        let table = Table::of(&records, "humaneval", Matching::Total, &rows, &split, 1).unwrap();
         let c = table.compare(1, 200);
         let row = &c.per_seed[0];
         assert_eq!(row.best.0, "student-0");

@@ -403,40 +403,59 @@ fn defer_commands(
 pub const DEFERRED: &str = "deferred";
 
 /// Whether the run has spent its compute budget (`budget_tflop`): it ends
-/// at the step boundary nearest the budget.
+/// at the first step boundary at or past it. The boundary nearest the
+/// budget, this one or the one before, is journaled as the budget's
+/// compute mark ([`compute_marks`]).
 fn budget_spent(state: &State) -> bool {
     let budget = state.args.scenario.budget_tflop;
-    budget.is_some_and(|tflop| reached(&state.args.league, tflop))
+    budget.is_some_and(|tflop| state.args.league.spent.flops >= tflop * 1e12)
 }
 
-/// Whether the run's compute has reached `tflop` at this step boundary: the
-/// boundary nearest it, that is once another step like the last would take
-/// it further past `tflop` than it now falls short. The one rule of the
-/// budget and of the compute marks.
-fn reached(league: &League, tflop: f64) -> bool {
-    let (spent, last) = (league.spent.flops, league.last_spent.flops);
-    spent + last / 2.0 >= tflop * 1e12
-}
-
-/// Journals every compute mark (`checkpoint.at_tflop`, smallest first) that
-/// step `s` reached; whether there was one (the step is then checkpointed).
-fn compute_marks(state: &mut State, s: u64) -> anyhow::Result<bool> {
-    let mut marks = state.args.scenario.checkpoint.at_tflop.clone();
+/// The run's compute marks in TFLOP: `checkpoint.at_tflop`, smallest first,
+/// then `budget_tflop`.
+fn mark_targets(scenario: &Scenario) -> Vec<f64> {
+    let mut marks = scenario.checkpoint.at_tflop.clone();
     marks.sort_by(f64::total_cmp);
-    let mut marked = false;
-    while let Some(&target) = marks.get(state.args.league.marks_passed) {
-        if !reached(&state.args.league, target) {
+    marks.extend(scenario.budget_tflop);
+    marks
+}
+
+/// Compute marks are chosen after the fact: a step boundary from which one
+/// step like the largest so far could cross a mark's target is checkpointed
+/// (`Near`); the boundary at or past the target then journals the mark at
+/// whichever of itself and the boundary before it (when that one was
+/// checkpointed) is nearer the target (`Crossed`). What step `s`, just
+/// committed, is to each pending mark; whether it must be checkpointed.
+fn compute_marks(state: &mut State, s: u64) -> anyhow::Result<bool> {
+    let league = &mut state.args.league;
+    if league.last_spent.flops > league.largest_step.flops {
+        league.largest_step = league.last_spent;
+    }
+    let targets = mark_targets(&state.args.scenario);
+    let mut checkpoint = false;
+    while let Some(&target) = targets.get(state.args.league.marks_passed) {
+        let league = &state.args.league;
+        let (spent, reach) = (league.spent.flops, league.largest_step.flops);
+        let target_flops = target * 1e12;
+        if spent < target_flops {
+            checkpoint |= spent + reach >= target_flops;
             break;
         }
+        let before = league.spent_before.flops;
+        let kept_before = s > 1 && state.args.dir.checkpoint(s - 1).is_dir();
+        let (step, at) = match kept_before && target_flops - before < spent - target_flops {
+            true => (s - 1, before),
+            false => (s, spent),
+        };
         state.args.journal.append(&Event::ComputeMark {
-            step: s,
+            step,
             target_tflop: target,
-            spent_tflop: state.args.league.spent.flops / 1e12,
+            spent_tflop: at / 1e12,
         })?;
         state.args.league.marks_passed += 1;
-        marked = true;
+        checkpoint = true;
     }
-    Ok(marked)
+    Ok(checkpoint)
 }
 
 /// Commands for step `s`: the scenario's events, scheduled ones (replay,
@@ -545,6 +564,7 @@ async fn attempt(state: &mut State, s: u64, commands: &[(Command, Source)]) -> S
     for (&id, trained) in &report.trained {
         league.checksums.insert(id, trained.checksum.clone());
     }
+    league.spent_before = league.spent;
     league.spent.add(metrics.compute);
     league.last_spent = metrics.compute;
     for (&id, &reward) in &metrics.member_reward {

@@ -46,8 +46,16 @@ pub struct League {
     pub spent: Cost,
     #[serde(default)]
     pub last_spent: Cost,
-    /// How many of `checkpoint.at_tflop`'s marks (smallest first) the run
-    /// has passed.
+    /// Compute spent before the last step (`spent` less `last_spent`, as
+    /// it was summed then): the previous boundary a compute mark may choose.
+    #[serde(default)]
+    pub spent_before: Cost,
+    /// The most compute one step has spent so far: a mark's target within
+    /// that of the run's spending may be crossed by the next step.
+    #[serde(default)]
+    pub largest_step: Cost,
+    /// How many of the compute marks (`checkpoint.at_tflop`, smallest
+    /// first, then `budget_tflop`) the run has passed.
     #[serde(default)]
     pub marks_passed: usize,
 }
@@ -69,6 +77,8 @@ impl League {
             metrics_lines: 0,
             spent: Cost::default(),
             last_spent: Cost::default(),
+            spent_before: Cost::default(),
+            largest_step: Cost::default(),
             marks_passed: 0,
         };
         let p = &scenario.population;

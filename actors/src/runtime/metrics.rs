@@ -57,5 +57,7 @@ pub fn line(
         compute: Some(m.compute),
         compute_total: Some(league.spent),
         wire_bytes,
+        solver_rollouts: Some(m.solver_rollouts),
+        buffer_rollouts: Some(m.buffer_rollouts),
     }
 }
