@@ -123,29 +123,35 @@ impl Cost {
     }
 
     /// A train step's rows: rows of one adapter with the same prompt count
-    /// it once, as one packed sequence; a row that adds nothing to the
-    /// gradient (every advantage 0) counts its tokens but no FLOPs.
+    /// it once, as one packed sequence, and a row without a prompt counts
+    /// alone ([`TrainRow::shared_prompt`], as the train step packs them); a
+    /// row that adds nothing to the gradient (every advantage 0) counts its
+    /// tokens but no FLOPs.
     pub fn train_rows(config: &ModelConfig, rows: &[TrainRow]) -> Cost {
         // Per (adapter, prompt): the answers' lengths and the tokens scored.
         type Groups<'a> = BTreeMap<(AdapterId, &'a [u32]), (Vec<usize>, usize)>;
         let mut groups: Groups = BTreeMap::new();
-        let mut skipped = Cost::default();
+        let mut apart = Cost::default();
         for r in rows {
             if r.contributes_nothing() {
-                skipped.trained_tokens += r.tokens.len() as u64;
+                apart.trained_tokens += r.tokens.len() as u64;
                 continue;
             }
-            let prompt = r.prompt_len.min(r.tokens.len());
-            let (answers, scored) = groups.entry((r.adapter, &r.tokens[..prompt])).or_default();
-            answers.push(r.tokens.len() - prompt);
-            *scored += r.loss_mask.iter().filter(|&&m| m).count();
+            let scored_here = r.loss_mask.iter().filter(|&&m| m).count();
+            let Some(prompt) = r.shared_prompt() else {
+                apart.add(Cost::training(config, r.tokens.len(), scored_here));
+                continue;
+            };
+            let (answers, scored) = groups.entry((r.adapter, prompt)).or_default();
+            answers.push(r.tokens.len() - prompt.len());
+            *scored += scored_here;
         }
         groups
             .iter()
             .map(|((_, prompt), (answers, scored))| {
                 Cost::packed_training(config, prompt.len(), answers, *scored)
             })
-            .chain([skipped])
+            .chain([apart])
             .sum()
     }
 
@@ -265,5 +271,25 @@ mod tests {
         // A row alone is counted as before.
         let alone = Cost::train_rows(c, &rows[..1]);
         assert_eq!(alone.flops, Cost::training(c, 13, 3).flops);
+    }
+
+    /// Rows without a prompt share nothing: the train step runs each alone
+    /// (`train_packs`), so each counts as it does alone, not as one packed
+    /// sequence of the adapter's prompt-less rows.
+    #[test]
+    fn rows_without_a_prompt_count_as_they_train_alone() {
+        let (model, _) = crate::base::tiny::build(&TinySpec::default()).unwrap();
+        let c = &model.config;
+        let rows = [row(1, 0, 3, 0.5), row(1, 0, 5, -0.5)];
+        let both = Cost::train_rows(c, &rows);
+        let apart: Cost = rows
+            .iter()
+            .map(|r| Cost::train_rows(c, std::slice::from_ref(r)))
+            .sum();
+        assert_eq!(both, apart);
+        let alone: Cost = [Cost::training(c, 3, 3), Cost::training(c, 5, 5)]
+            .into_iter()
+            .sum();
+        assert_eq!(both.flops, alone.flops);
     }
 }

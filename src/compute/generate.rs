@@ -327,8 +327,10 @@ pub fn generate_with(
 
 /// The prefill of rows `ids` (their adapters) with tokens `tokens`
 /// (`[rows, width]`, left-padded by `pads`), each distinct row run once:
-/// rows with the same adapter and tokens share one run, whose keys and
-/// values then start each of their caches. Returns each row's last logits.
+/// rows with the same adapter, padding and tokens share one run, whose keys
+/// and values then start each of their caches. (Padding is the pad id 0, so
+/// equal token rows can still be different prompts: `[0, a]` and `[a]`.)
+/// Returns each row's last logits.
 fn shared_prefill(
     model: &Llama,
     adapters: &AdapterSet,
@@ -339,13 +341,13 @@ fn shared_prefill(
 ) -> Result<Vec<Vec<f32>>> {
     let width = tokens.len() / ids.len().max(1);
     let row = |r: usize| &tokens[r * width..(r + 1) * width];
-    // Each row's run: the first earlier row with the same adapter and tokens.
+    // Each row's run: the first earlier row with the same adapter, padding and tokens.
     let mut runs: Vec<usize> = Vec::new();
     let mut run_of: Vec<u32> = Vec::with_capacity(ids.len());
     for r in 0..ids.len() {
         let same = runs
             .iter()
-            .position(|&u| ids[u] == ids[r] && row(u) == row(r));
+            .position(|&u| ids[u] == ids[r] && pads[u] == pads[r] && row(u) == row(r));
         run_of.push(same.unwrap_or_else(|| {
             runs.push(r);
             runs.len() - 1

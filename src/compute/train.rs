@@ -69,6 +69,14 @@ impl TrainRow {
         scored(&self.tokens, |t| self.loss_mask[t])
     }
 
+    /// The prompt the row may share with rows of its adapter in one packed
+    /// train sequence; none without a prompt (or with `prompt_len` past its
+    /// tokens): such a row runs alone. The cost rule counts by the same.
+    pub fn shared_prompt(&self) -> Option<&[u32]> {
+        let p = self.prompt_len;
+        (p > 0 && p <= self.tokens.len()).then(|| &self.tokens[..p])
+    }
+
     /// Whether the row adds exactly nothing to the loss and its gradient:
     /// every token in the loss has advantage 0 (PPO's term is then
     /// `max(−0·ρ, −0·clip(ρ))`, 0 for every ρ), or none is in the loss.
@@ -235,11 +243,11 @@ fn train_packs<'a>(
     let mut group_of: BTreeMap<(AdapterId, &[u32]), usize> = BTreeMap::new();
     for &i in order.iter().filter(|&&i| !rows[i].contributes_nothing()) {
         let r = &rows[i];
-        if r.prompt_len == 0 || r.prompt_len > r.tokens.len() {
+        let Some(prompt) = r.shared_prompt() else {
             groups.push(vec![i]);
             continue;
-        }
-        let key = (r.adapter, &r.tokens[..r.prompt_len]);
+        };
+        let key = (r.adapter, prompt);
         let g = *group_of.entry(key).or_insert_with(|| {
             groups.push(Vec::new());
             groups.len() - 1

@@ -2,8 +2,8 @@
 
 use super::source_map::SourceMap;
 use super::{
-    parse_member_id, ErrorKind, EventAction, Mode, ModelSource, Scenario, ScenarioError,
-    SelfPlaySection, WeightedOperator,
+    parse_member_id, AdvantageGroups, ErrorKind, EventAction, Mode, ModelSource, Scenario,
+    ScenarioError, SelfPlaySection, WeightedOperator,
 };
 use crate::task::grammar::{reply_grammar, ReplyShape};
 use crate::task::Role;
@@ -572,8 +572,47 @@ fn selfplay(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
 /// rollouts (proposers: the teachers, or the solo member); the solver group
 /// holds up to as many problems × solvers per problem × `solver_samples`,
 /// never fewer than the proposer group can, so one rule covers both. (In
-/// population mode the earlier checks give at least two teachers.)
+/// population mode the earlier checks give at least two teachers; a kill
+/// that would leave one is refused at run time.)
+///
+/// With `per_member` groups, each member's own rollouts form its groups: a
+/// teacher's proposer group holds `proposals_per_teacher` rollouts, and a
+/// student's solver group holds `solver_samples` per problem of that kind,
+/// where a step can give a student a single problem of a kind (one buffer
+/// problem, or one valid proposal from its matched teachers). So both must
+/// be 2 or more.
 fn advantage_groups(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
+    pooled_proposer_groups(v, s)?;
+    if s.selfplay.advantage_groups != AdvantageGroups::PerMember {
+        return Ok(());
+    }
+    let groups = "selfplay.advantage_groups";
+    let why = "so its TRR++ advantage is always 0 and the member never learns from it";
+    let allowed = format!("2.. with {groups} = \"per_member\", or {groups} = \"pooled\"");
+    let per_teacher = s.selfplay.proposals_per_teacher;
+    if per_teacher < 2 {
+        return Err(v.fail(
+            groups,
+            format!(
+                "{groups} = \"per_member\" with selfplay.proposals_per_teacher = {per_teacher} leaves each teacher's advantage group (member × task kind × proposer) one rollout per step, {why} (allowed: selfplay.proposals_per_teacher = {allowed})"
+            ),
+        ));
+    }
+    let samples = s.selfplay.solver_samples;
+    if samples < 2 {
+        return Err(v.fail(
+            groups,
+            format!(
+                "{groups} = \"per_member\" with selfplay.solver_samples = {samples} leaves a student's advantage group (member × task kind × solver) one rollout in a step that gives it one problem of that kind, {why} (allowed: selfplay.solver_samples = {allowed})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Pooled groups (and solo mode, where the two kinds agree): teachers ×
+/// `proposals_per_teacher` proposer rollouts per kind.
+fn pooled_proposer_groups(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
     let key = "selfplay.proposals_per_teacher";
     let per_teacher = s.selfplay.proposals_per_teacher;
     let (proposers, setting, allowed) = match s.population.mode {

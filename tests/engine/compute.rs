@@ -278,6 +278,38 @@ fn rows_sharing_a_prompt_sample_what_they_sample_alone() {
     }
 }
 
+/// A prompt whose first real token is the pad id 0 and the same prompt
+/// without it pad to equal token rows, but they are different prompts (pad
+/// 0 against 1): each row generates what it generates alone, and sharing
+/// prefixes changes neither its tokens nor its log-probs.
+#[test]
+fn a_leading_pad_id_token_is_not_a_shared_prefix() {
+    let model = tiny_model();
+    let adapter = random_adapter(&model, 62, DType::F32);
+    let set = AdapterSet::new().with(1, &adapter);
+    let requests = vec![
+        request(Some(1), vec![0, 17, 42], Sampling::GREEDY, 0),
+        request(Some(1), vec![17, 42], Sampling::GREEDY, 1),
+    ];
+    let run = |requests: Vec<GenRequest>, share_prefixes| {
+        let options = compute::DecodeOptions {
+            share_prefixes,
+            top: 0,
+        };
+        compute::generate_with(&model, &set, requests, options)
+            .unwrap()
+            .0
+    };
+    let (plain, shared) = (run(requests.clone(), false), run(requests.clone(), true));
+    assert_ne!(plain[0].logprobs, plain[1].logprobs, "the prompts differ");
+    for (i, request) in requests.into_iter().enumerate() {
+        let alone = run(vec![request], true);
+        assert_eq!(shared[i].tokens, alone[0].tokens, "row {i}");
+        assert_eq!(shared[i].tokens, plain[i].tokens, "row {i}");
+        assert_eq!(shared[i].logprobs, plain[i].logprobs, "row {i}");
+    }
+}
+
 #[test]
 fn same_seed_same_sample_different_seed_different_sample() {
     let model = tiny_model();

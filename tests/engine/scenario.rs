@@ -155,6 +155,18 @@ const CASES: &[Case] = &[
      "seed = 1\nsteps = 2\n[population]\nmode = \"solo\"\n",
      Some("population.mode"), 4,
      "selfplay.proposals_per_teacher = 1 with population.mode = \"solo\""),
+    ("per-member groups with one proposal per kind",
+     "seed = 1\nsteps = 2\n[selfplay]\nadvantage_groups = \"per_member\"\nproposals_per_teacher = 1\n",
+     Some("selfplay.advantage_groups"), 4,
+     "selfplay.advantage_groups = \"per_member\" with selfplay.proposals_per_teacher = 1 leaves each teacher's advantage group (member × task kind × proposer) one rollout per step"),
+    ("per-member groups with the default proposals per kind",
+     "seed = 1\nsteps = 2\n[selfplay]\nadvantage_groups = \"per_member\"\n",
+     Some("selfplay.advantage_groups"), 4,
+     "(allowed: selfplay.proposals_per_teacher = 2.. with selfplay.advantage_groups = \"per_member\", or selfplay.advantage_groups = \"pooled\")"),
+    ("per-member groups with one solver sample",
+     "seed = 1\nsteps = 2\n[selfplay]\nproposals_per_teacher = 2\nsolver_samples = 1\nadvantage_groups = \"per_member\"\n",
+     Some("selfplay.advantage_groups"), 6,
+     "selfplay.advantage_groups = \"per_member\" with selfplay.solver_samples = 1 leaves a student's advantage group"),
     ("one subpopulation", "seed = 1\nsteps = 2\n[population]\nsubpopulations = 1\n",
      Some("population.subpopulations"), 4, "population.subpopulations = 1 is out of range (allowed 2.."),
     ("fewer teachers than subpopulations",
@@ -390,7 +402,7 @@ fn resolved_defaults_depend_on_other_keys() {
 #[test]
 fn buffer_problems_and_advantage_groups_reach_the_step() {
     let s = parse(
-        "seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 0\nadvantage_groups = \"per_member\"\n",
+        "seed = 1\nsteps = 2\n[selfplay]\nbuffer_problems = 0\nadvantage_groups = \"per_member\"\nproposals_per_teacher = 2\n",
     )
     .unwrap();
     let settings = populora::selfplay::Settings::from_scenario(&s);
@@ -441,16 +453,16 @@ fn events_parse_into_actions() {
     let s = shipped("tiny.toml");
     assert_eq!(s.events.len(), 2);
     assert_eq!(
-        (s.events[0].at, &s.events[0].action),
-        (3, &EventAction::Kill("teacher-0".into()))
-    );
-    assert_eq!(
-        s.events[1].action,
+        s.events[0].action,
         EventAction::Inject(Injection {
             role: Role::Student,
             from: Some(vec!["student-0".into()]),
             op: Some("svd_noise".into()),
         })
+    );
+    assert_eq!(
+        (s.events[1].at, &s.events[1].action),
+        (3, &EventAction::Kill("student-0".into()))
     );
 }
 

@@ -43,6 +43,10 @@ pub struct LiveStatus {
     pub solo: bool,
     /// Students each teacher must be matched with (cross-evaluation).
     pub students_per_teacher: usize,
+    /// `selfplay.proposals_per_teacher`: times the teachers, the rollouts of
+    /// each pooled proposer advantage group.
+    #[serde(default)]
+    pub proposals_per_teacher: usize,
     pub members: Vec<MemberEntry>,
     /// Worker nodes (empty when every member runs in the `run` process).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -73,7 +77,7 @@ fn snapshot(shared: &Shared) -> LiveStatus {
 }
 
 /// Check a command against the current population; the answer says what
-/// will happen.
+/// will happen. Live commands and scripted `[[events]]` both pass here.
 pub fn check(command: &Command, status: &LiveStatus) -> Result<String, String> {
     let next = status.step + 1;
     let alive = |id: &str| status.members.iter().find(|m| m.id == id);
@@ -107,6 +111,17 @@ pub fn check(command: &Command, status: &LiveStatus) -> Result<String, String> {
                         teacher.id, status.students_per_teacher
                     ));
                 }
+            }
+            // A pooled proposer advantage group (task kind × proposer) holds
+            // teachers × proposals_per_teacher rollouts; one alone has advantage
+            // 0 at every step. (Per-member groups hold proposals_per_teacher
+            // whatever the teachers, and validation requires 2 or more there.)
+            let teachers = left.iter().filter(|t| t.role == "teacher").count();
+            let per_teacher = status.proposals_per_teacher;
+            if m.role == "teacher" && teachers * per_teacher < 2 {
+                return Err(format!(
+                    "killing `{member}` would leave {teachers} teacher with selfplay.proposals_per_teacher = {per_teacher}: each proposer advantage group (task kind × proposer) would hold one rollout per step, so its TRR++ advantage would always be 0 and the teacher would never learn (inject a teacher first)"
+                ));
             }
             Ok(format!("will kill {member} at the start of step {next}"))
         }
@@ -240,4 +255,78 @@ pub fn send(socket: &Path, command: &Command) -> anyhow::Result<Reply> {
 /// The socket of a run directory.
 pub fn socket_of(dir: &Path) -> PathBuf {
     dir.join("control.sock")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two teachers and four students in two sub-populations, one student
+    /// per teacher, `proposals_per_teacher` as given.
+    fn population(proposals_per_teacher: usize) -> LiveStatus {
+        let member = |id: &str, subpop| MemberEntry {
+            id: id.into(),
+            role: id.split('-').next().unwrap().into(),
+            subpop,
+        };
+        LiveStatus {
+            step: 2,
+            students_per_teacher: 1,
+            proposals_per_teacher,
+            members: vec![
+                member("teacher-0", 0),
+                member("teacher-1", 1),
+                member("student-0", 0),
+                member("student-1", 1),
+                member("student-2", 0),
+                member("student-3", 1),
+            ],
+            ..LiveStatus::default()
+        }
+    }
+
+    fn kill(member: &str) -> Command {
+        Command::Kill {
+            member: member.into(),
+        }
+    }
+
+    #[test]
+    fn a_kill_leaving_one_teacher_with_one_proposal_per_kind_is_refused() {
+        let one = population(1);
+        let why = check(&kill("teacher-0"), &one).unwrap_err();
+        assert!(
+            why.contains("would leave 1 teacher with selfplay.proposals_per_teacher = 1")
+                && why.contains("advantage would always be 0"),
+            "{why}"
+        );
+        // A student may go; with two proposals per kind, or a third teacher,
+        // the teacher may too.
+        assert!(check(&kill("student-3"), &one).is_ok());
+        assert_eq!(
+            check(&kill("teacher-0"), &population(2)),
+            Ok("will kill teacher-0 at the start of step 3".into())
+        );
+        let mut three = population(1);
+        three.members.push(MemberEntry {
+            id: "teacher-2".into(),
+            role: "teacher".into(),
+            subpop: 0,
+        });
+        assert!(check(&kill("teacher-0"), &three).is_ok());
+    }
+
+    #[test]
+    fn a_kill_of_the_last_of_a_role_or_of_a_teacher_s_students_is_refused() {
+        let mut status = population(2);
+        status.members.retain(|m| m.id != "student-2");
+        let why = check(&kill("student-0"), &status).unwrap_err();
+        assert!(
+            why.contains("would leave teacher-1 with 0 students"),
+            "{why}"
+        );
+        status.members.retain(|m| m.id != "teacher-1");
+        let why = check(&kill("teacher-0"), &status).unwrap_err();
+        assert!(why.contains("is the last teacher"), "{why}");
+    }
 }

@@ -285,6 +285,7 @@ fn publish(state: &State, phase: &str) {
         paused: state.paused,
         solo: state.args.scenario.population.mode == Mode::Solo,
         students_per_teacher: state.args.scenario.population.students_per_teacher,
+        proposals_per_teacher: state.args.scenario.selfplay.proposals_per_teacher,
         members: league.entries(),
         nodes: state.sites.status(|id| league.name(id)),
     };
@@ -827,6 +828,7 @@ async fn apply_command(
         steps: state.args.last_step,
         solo: state.args.scenario.population.mode == Mode::Solo,
         students_per_teacher: state.args.scenario.population.students_per_teacher,
+        proposals_per_teacher: state.args.scenario.selfplay.proposals_per_teacher,
         members: state.args.league.entries(),
         ..LiveStatus::default()
     };

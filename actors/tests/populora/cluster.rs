@@ -409,7 +409,7 @@ fn with_every_node_lost_the_run_finishes_in_the_coordinator() {
         .rfind(|l| l.contains(r#""event":"layout""#))
         .unwrap();
     assert!(
-        last_layout.contains(r#""student-0":"local""#),
+        last_layout.contains(r#""teacher-0":"local""#),
         "{last_layout}"
     );
     assert!(
