@@ -84,6 +84,13 @@ def pooled_table(summary, matching):
           f"{c['distinct_seed_draws']} distinct draws); bold: the interval excludes 0.")
 
 
+def chosen(row, which):
+    """The best or weakest member's name, saying so when a seeded draw chose it among
+    members tied on the selection problems (experiment.json's `*_drawn_from`)."""
+    tied = row.get(f"{which}_drawn_from", [])
+    return f"{row[which][0]} (drawn from {len(tied)} tied)" if tied else row[which][0]
+
+
 def per_seed_table(summary, matching):
     print("| benchmark | seed | all | students | teachers | best | weakest | baseline | all − baseline |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -91,7 +98,7 @@ def per_seed_table(summary, matching):
         for r in c["per_seed"]:
             print(f"| {BENCHMARKS.get(c['benchmark'], c['benchmark'])} | {r['seed']} "
                   f"| {pts(r['all'])} | {pts(r['students'])} | {pts(r['teachers'])} "
-                  f"| {r['best'][0]} {pts(r['best'][1])} | {r['weakest'][0]} {pts(r['weakest'][1])} "
+                  f"| {chosen(r, 'best')} {pts(r['best'][1])} | {chosen(r, 'weakest')} {pts(r['weakest'][1])} "
                   f"| {pts(r['baseline'])} | {100 * (r['all'] - r['baseline']):+.1f} |")
 
 

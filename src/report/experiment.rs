@@ -424,22 +424,35 @@ fn arms(s: &SeedRuns) -> [(&'static str, &TrainedOn); 3] {
     ]
 }
 
+/// What an arm's FLOPs bought, as cells: steps, rollouts, those with a
+/// non-zero advantage, optimizer steps per adapter, the buffer share.
+fn trained_cells(t: &TrainedOn) -> [String; 5] {
+    [
+        t.steps.to_string(),
+        t.rollouts.to_string(),
+        format!(
+            "{} ({:.0} %)",
+            t.nonzero_rollouts,
+            100.0 * t.nonzero_share()
+        ),
+        format!(
+            "{:.1} ({} adapters ever)",
+            t.steps_per_adapter(),
+            t.adapters
+        ),
+        t.buffer_share()
+            .map_or("not counted".into(), |b| format!("{:.0} %", 100.0 * b)),
+    ]
+}
+
 /// What the FLOPs bought: one line per arm, `(label, text)`.
 fn trained_lines(s: &SeedRuns) -> Vec<(&'static str, String)> {
     arms(s)
         .into_iter()
         .map(|(label, t)| {
-            let buffer = t
-                .buffer_share()
-                .map_or("not counted".into(), |b| format!("{:.0} %", 100.0 * b));
+            let [steps, rollouts, nonzero, per_adapter, buffer] = trained_cells(t);
             let text = format!(
-                "{} steps, {} rollouts, {} with a non-zero advantage ({:.0} %), {:.1} optimizer steps per adapter ({} adapters ever), solver rollouts on buffer problems {buffer}",
-                t.steps,
-                t.rollouts,
-                t.nonzero_rollouts,
-                100.0 * t.nonzero_share(),
-                t.steps_per_adapter(),
-                t.adapters,
+                "{steps} steps, {rollouts} rollouts, {nonzero} with a non-zero advantage, {per_adapter} optimizer steps per adapter, solver rollouts on buffer problems {buffer}"
             );
             (label, text)
         })
@@ -450,20 +463,11 @@ fn trained_table(out: &mut String, summary: &ExperimentSummary) {
     out.push_str("<h2>What each arm trained on</h2>\n<table>\n<tr><th>seed</th><th>arm</th><th>steps</th><th>rollouts</th><th>non-zero advantage</th><th>optimizer steps per adapter</th><th>solver rollouts on buffer problems</th></tr>\n");
     for s in &summary.seeds {
         for (label, t) in arms(s) {
-            let buffer = t
-                .buffer_share()
-                .map_or("–".into(), |b| format!("{:.0} %", 100.0 * b));
-            let _ = writeln!(
-                out,
-                "<tr><td>{}</td><td>{label}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{} ({:.0} %)</td><td class=\"num\">{:.1} ({} adapters ever)</td><td class=\"num\">{buffer}</td></tr>",
-                s.seed,
-                t.steps,
-                t.rollouts,
-                t.nonzero_rollouts,
-                100.0 * t.nonzero_share(),
-                t.steps_per_adapter(),
-                t.adapters,
-            );
+            let cells: String = trained_cells(t)
+                .iter()
+                .map(|c| format!("<td class=\"num\">{}</td>", escape(c)))
+                .collect();
+            let _ = writeln!(out, "<tr><td>{}</td><td>{label}</td>{cells}</tr>", s.seed);
         }
     }
     out.push_str("</table>\n<p class=\"small\">Compute is matched on FLOPs; a rollout whose advantage is 0 adds nothing to the gradient and costs no train-step FLOPs, so an arm with smaller advantage groups buys fewer trained rollouts than generated ones. Up to each row's evaluated step.</p>\n");

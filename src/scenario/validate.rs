@@ -589,21 +589,23 @@ fn advantage_groups(v: &Validator, s: &Scenario) -> Result<(), ScenarioError> {
     let groups = "selfplay.advantage_groups";
     let why = "so its TRR++ advantage is always 0 and the member never learns from it";
     let allowed = format!("2.. with {groups} = \"per_member\", or {groups} = \"pooled\"");
-    let per_teacher = s.selfplay.proposals_per_teacher;
-    if per_teacher < 2 {
+    let checks = [
+        (
+            "selfplay.proposals_per_teacher",
+            s.selfplay.proposals_per_teacher,
+            "each teacher's advantage group (member × task kind × proposer) one rollout per step",
+        ),
+        (
+            "selfplay.solver_samples",
+            s.selfplay.solver_samples,
+            "a student's advantage group (member × task kind × solver) one rollout in a step that gives it one problem of that kind",
+        ),
+    ];
+    if let Some((key, value, group)) = checks.into_iter().find(|(_, value, _)| *value < 2) {
         return Err(v.fail(
             groups,
             format!(
-                "{groups} = \"per_member\" with selfplay.proposals_per_teacher = {per_teacher} leaves each teacher's advantage group (member × task kind × proposer) one rollout per step, {why} (allowed: selfplay.proposals_per_teacher = {allowed})"
-            ),
-        ));
-    }
-    let samples = s.selfplay.solver_samples;
-    if samples < 2 {
-        return Err(v.fail(
-            groups,
-            format!(
-                "{groups} = \"per_member\" with selfplay.solver_samples = {samples} leaves a student's advantage group (member × task kind × solver) one rollout in a step that gives it one problem of that kind, {why} (allowed: selfplay.solver_samples = {allowed})"
+                "{groups} = \"per_member\" with {key} = {value} leaves {group}, {why} (allowed: {key} = {allowed})"
             ),
         ));
     }

@@ -588,7 +588,7 @@ fn an_experiment_seeds_runs_matches_evaluates_pools_and_resumes() {
         assert!(s["seeding"]["compute"]["flops"].as_f64().unwrap() > 0.0);
         // What each arm trained on, up to its evaluated step.
         let trained = &s["trained"];
-        assert_eq!(trained["population"]["steps"], 40);
+        assert_eq!(trained["population"]["steps"], 42);
         assert!(trained["population"]["adapters"].as_u64().unwrap() >= 4);
         assert_eq!(trained["baseline_per_adapter"]["steps"], s["mark"]["step"]);
         assert_eq!(trained["baseline_total"]["steps"], total["step"]);
@@ -767,11 +767,11 @@ fn an_experiment_seeds_runs_matches_evaluates_pools_and_resumes() {
     let text = std::fs::read_to_string(&pop_journal).unwrap();
     std::fs::write(
         &pop_journal,
-        text.replace(r#"{"event":"end","step":40"#, r#"{"event":"end","step":39"#),
+        text.replace(r#"{"event":"end","step":42"#, r#"{"event":"end","step":41"#),
     )
     .unwrap();
     let err = refused_with(&out);
-    assert!(err.contains("ended at step 39 of its 40 steps"), "{err}");
+    assert!(err.contains("ended at step 41 of its 42 steps"), "{err}");
     std::fs::write(&pop_journal, text).unwrap();
 }
 
