@@ -212,6 +212,13 @@ fn fenced_blocks(text: &str) -> Vec<Block<'_>> {
     blocks
 }
 
+/// The definitions a response writes, for a benchmark that runs them as they
+/// are (MBPP+): the code [`completion_from_response`] would take, minus
+/// top-level statements other than imports, definitions and decorators.
+pub fn definitions_from_response(response: &str, entry_point: &str) -> String {
+    top_level_definitions(&code_of(response, entry_point))
+}
+
 fn code_of(response: &str, entry_point: &str) -> String {
     let blocks = fenced_blocks(response);
     let is_python = |b: &&Block| matches!(b.lang.to_ascii_lowercase().as_str(), "python" | "py");
