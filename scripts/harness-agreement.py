@@ -21,7 +21,14 @@ the answers (see README, `eval`). For each of the row's files:
 Prints one line per benchmark (tasks, agreeing, passing by each side) and
 every disagreement, and exits 1 if there is one. A harness whose file is
 missing (the benchmark was not evaluated) is skipped, and says so.
+
+    python3 scripts/harness-agreement.py --write-canonical FILE
+
+writes answers for `populora eval --rescore FILE`: every HumanEval+ and
+MBPP+ task answered by its own canonical solution (in a ```python block),
+as the row "canonical", to compare the two harnesses on answers that pass.
 """
+import gzip
 import argparse
 import json
 import os
@@ -132,7 +139,25 @@ def read_from_repo(repo, path):
                           check=True, capture_output=True).stdout
 
 
+def write_canonical(path):
+    with open(path, "w") as out:
+        for dataset, (_, data_file, benchmark) in EVALPLUS_DATA.items():
+            with gzip.open(data_file, "rt") as fh:
+                for item, line in enumerate(fh):
+                    task = json.loads(line)
+                    code = task["prompt"] + task["canonical_solution"]
+                    if dataset == "mbpp":
+                        code = task["canonical_solution"]
+                    record = {"benchmark": benchmark, "task_id": task["task_id"], "item": item,
+                              "member": "canonical", "sample": 0, "passed": False,
+                              "response": "```python\n" + code.strip("\n") + "\n```"}
+                    out.write(json.dumps(record) + "\n")
+
+
 def main():
+    if sys.argv[1:2] == ["--write-canonical"]:
+        write_canonical(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("eval_dir", type=Path)
     parser.add_argument("--row", default="base model")

@@ -10,6 +10,10 @@
 # /tmp/populora-harness-venv), once. Needs pip; not part of the test suite.
 # EvalPlus computes its own expected outputs on first use (minutes, and
 # about 1.5 GB in ~/.cache/evalplus: MBPP+'s Mbpp/255 alone pickles 1 GB).
+# The canonical solutions as answers (every task passes but HumanEval/32):
+#   python3 scripts/harness-agreement.py --write-canonical /tmp/canonical.jsonl
+#   populora eval --rescore /tmp/canonical.jsonl --benchmarks humaneval+,mbpp+ --out OUT
+#   scripts/harness-agreement.sh OUT/eval CRUXEVAL_REPO canonical
 set -eu
 eval_dir=$1
 repo=$2

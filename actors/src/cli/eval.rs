@@ -16,9 +16,11 @@ use populora::scenario::{check_operator, Scenario};
 use populora::verify::{SandboxConfig, VerifierPool};
 
 use crate::experiment::evaluate::{
-    evaluate_rows, members, rows_table, split_rows, write, Options, Row, BASE_ROW,
+    evaluate_rows, members, rescore, rows_table, split_rows, write, Evaluation, Options, Row,
+    BASE_ROW,
 };
 use crate::runtime::engine::Engine;
+use populora::eval::ItemRecord;
 
 #[derive(Parser)]
 pub struct Args {
@@ -88,6 +90,11 @@ pub struct Args {
     /// Without DIR: the seed of the sampling streams (with --samples > 1).
     #[arg(long, default_value_t = 0, conflicts_with = "dir")]
     pub seed: u64,
+    /// Score the answers recorded in this items.jsonl again instead of
+    /// generating (every row of the file, each benchmark of --benchmarks);
+    /// with --out for the files.
+    #[arg(long, value_name = "ITEMS.jsonl", conflicts_with_all = ["dir", "base"])]
+    pub rescore: Option<PathBuf>,
     /// Where the files go (default: DIR, or the current directory).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -141,7 +148,7 @@ impl Args {
                 check_operator,
             )?);
         }
-        if !self.base {
+        if !self.base && self.rescore.is_none() {
             bail!("give a run directory, or --base to evaluate the base model alone");
         }
         // A JSON string is a TOML basic string.
@@ -208,6 +215,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
     let pool = VerifierPool::new(SandboxConfig::default())?;
+    if let Some(items) = &args.rescore {
+        let records = read_records(items)?;
+        let options = Options {
+            progress: None,
+            ..args.options(&out)?
+        };
+        let evaluation = rescore(&options, &engine, &pool, &records)?;
+        write(&out, &evaluation)?;
+        return print(&args, evaluation);
+    }
     let mut rows = match &args.dir {
         Some(dir) => members(dir, "")?,
         None => Vec::new(),
@@ -222,6 +239,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     claim_progress(&out.join("eval"), &args.settings(&scenario, &rows))?;
     let evaluation = evaluate_rows(&options, &engine, &pool, &rows, scenario.seed)?;
     write(&out, &evaluation)?;
+    print(&args, evaluation)
+}
+
+/// Every line of an items.jsonl.
+fn read_records(path: &Path) -> anyhow::Result<Vec<ItemRecord>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(i, line)| {
+            serde_json::from_str(line)
+                .with_context(|| format!("{} line {}: not an answer record", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// The table, or with --json the results.
+fn print(args: &Args, evaluation: Evaluation) -> anyhow::Result<()> {
     let (members, baseline, base) = split_rows(evaluation.results);
     if args.json {
         let value =

@@ -158,6 +158,76 @@ pub fn evaluate_rows(
     Ok(evaluation)
 }
 
+/// The answers recorded in `records` (an `items.jsonl`) scored again, as a
+/// fresh answer of the same benchmark, task and row would be scored now:
+/// every record of a benchmark of `options` (within its tasks and limit),
+/// in the order recorded. A record whose task the benchmark does not have
+/// is an error. For checking a scorer, and an official harness against it,
+/// on answers of any origin.
+pub fn rescore(
+    options: &Options,
+    engine: &Engine,
+    pool: &VerifierPool,
+    records: &[ItemRecord],
+) -> anyhow::Result<Evaluation> {
+    let mut evaluation = Evaluation::default();
+    for bench in benchmarks(options, engine, pool)? {
+        let index: BTreeMap<&str, &Item> = bench.items.iter().map(|i| (i.id.as_str(), i)).collect();
+        let answers: Vec<(&ItemRecord, &Item)> = records
+            .iter()
+            .filter(|r| r.benchmark == bench.name && index.contains_key(r.task_id.as_str()))
+            .map(|r| (r, index[r.task_id.as_str()]))
+            .collect();
+        eprintln!("{}: {} recorded answers", bench.name, answers.len());
+        let scores = parallel_map(pool.config().workers, &answers, |&(record, item)| {
+            let what = || format!("{} {} ({})", bench.name, item.id, record.member);
+            score(pool, item, &record.response, &what)
+        });
+        let mut tallies: BTreeMap<(&str, &str), (usize, usize, usize)> = BTreeMap::new();
+        let mut with_base = false;
+        for ((record, item), scored) in answers.iter().zip(scores) {
+            let scored = scored.context("a scoring thread panicked")??;
+            let tally = tallies.entry((&record.member, &item.id)).or_default();
+            tally.0 += 1;
+            tally.1 += usize::from(scored.passed);
+            tally.2 += usize::from(scored.base_passed == Some(true));
+            with_base |= scored.base_passed.is_some();
+            evaluation.items.push(ItemRecord {
+                passed: scored.passed,
+                base_passed: scored.base_passed,
+                completion: item.export.as_ref().map(|export| export(&record.response)),
+                ..(*record).clone()
+            });
+        }
+        let members: BTreeSet<&str> = tallies.keys().map(|(m, _)| *m).collect();
+        let base_name = format!("{} base", bench.name);
+        for member in members {
+            let counts = |base: bool| -> Vec<(usize, usize)> {
+                tallies
+                    .iter()
+                    .filter(|((m, _), _)| *m == member)
+                    .map(|(_, t)| (t.0, if base { t.2 } else { t.1 }))
+                    .collect()
+            };
+            evaluation.results.push(BenchmarkResult::from_counts(
+                &bench.name,
+                member,
+                &counts(false),
+                None,
+            ));
+            if with_base {
+                evaluation.results.push(BenchmarkResult::from_counts(
+                    &base_name,
+                    member,
+                    &counts(true),
+                    None,
+                ));
+            }
+        }
+    }
+    Ok(evaluation)
+}
+
 /// Results of the run's own members, of the baseline's (`baseline/...`) and
 /// of the base model.
 pub fn split_rows(
