@@ -76,7 +76,10 @@ def evalplus_agreement(eval_dir, row, ours, work):
                    "--samples", str(copy), "--parallel", str(os.cpu_count() or 1),
                    "--i-just-wanna-run"]
         subprocess.run(command, env=env, check=True, stdout=sys.stderr)
-        results = json.loads(copy.with_suffix(".eval_results.json").read_text())
+        # EvalPlus 0.3.1 names it NAME_eval_results.json (later releases NAME.eval_results.json).
+        written = [copy.with_name(copy.stem + suffix)
+                   for suffix in ("_eval_results.json", ".eval_results.json")]
+        results = json.loads(next(p for p in written if p.exists()).read_text())
         disagreements, counts = [], [0, 0, 0, 0]
         for task_id, [result] in sorted(results["eval"].items()):
             official = (result["base_status"] == "pass"

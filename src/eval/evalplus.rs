@@ -503,16 +503,9 @@ pub fn write_samples(path: &Path, samples: &[(&str, &str)]) -> Result<(), EvalEr
         task_id: &'a str,
         solution: &'a str,
     }
-    let write_error = |source| EvalError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut out = String::new();
-    for &(task_id, solution) in samples {
-        let line = serde_json::to_string(&Sample { task_id, solution })
-            .map_err(|e| write_error(e.into()))?;
-        out.push_str(&line);
-        out.push('\n');
-    }
-    std::fs::write(path, out).map_err(write_error)
+    let samples: Vec<Sample> = samples
+        .iter()
+        .map(|&(task_id, solution)| Sample { task_id, solution })
+        .collect();
+    super::write_jsonl(path, &samples)
 }

