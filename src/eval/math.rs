@@ -1,12 +1,27 @@
-//! Math word problems: GSM8K (`question`, `answer` ending in `#### N`) and
-//! MATH (`problem`, `solution` with a `\boxed{...}` answer) from local JSONL
-//! files; prompts, answer extraction from model responses, normalisation
-//! and equivalence. No code runs here, so nothing needs the sandbox.
+//! Math problems: GSM8K (`question`, `answer` ending in `#### N`) and the
+//! MATH-style sets (MATH-500, Minerva, OlympiadBench, AIME 24/25, AMC 23:
+//! a problem and a reference answer, field names differing per set), shipped
+//! or from a user's JSONL file; prompts, answer extraction from model
+//! responses, normalisation and equivalence. No code runs here, so nothing
+//! needs the sandbox.
+//!
+//! Reference answers: the number after `####` (GSM8K); `answer` (MATH-500,
+//! AIME, AMC, whose answers are JSON numbers such as `27.0`); the
+//! solution's last `\boxed{}` (Minerva, and any set without `answer`);
+//! `final_answer[0]` without its `$` (OlympiadBench).
+//!
+//! The default prompt ([`MathPrompt::Boxed`]) asks for the final answer in
+//! `\boxed{}`, with the system prompt of the AZR evaluation suite's
+//! `qwen25-math-cot` template, and the answer is the response's last
+//! `\boxed{}`. [`MathPrompt::AnswerTags`] is the older prompt asking for
+//! `<answer>` tags.
 //!
 //! Numbers compare exactly as rationals when both sides are exact, else as
 //! floats within [`TOLERANCE`]. MATH answers are normalised in the spirit of
 //! Hendrycks et al.'s `is_equiv` and then compared as strings, or as numbers
-//! when both sides are numeric (`0.5` equals `\frac{1}{2}`).
+//! when both sides are numeric (`0.5` equals `\frac{1}{2}`, `4.5\times10^{33}`
+//! equals `4.5e33`); tuples and intervals part by part under the same
+//! brackets; answers listed with commas (several solutions) in any order.
 
 use super::{ChatPrompt, EvalError};
 use serde::{Deserialize, Serialize};
@@ -17,6 +32,46 @@ pub const TOLERANCE: f64 = 1e-6; // keep in step with the exact check in `Number
 
 const SYSTEM: &str = "You are a careful problem solver. \
 Think step by step inside <think> </think>, then give only the final answer inside <answer> </answer>.";
+
+/// The system prompt of the AZR suite's `qwen25-math-cot` template.
+const BOXED_SYSTEM: &str =
+    "Please reason step by step, and put your final answer within \\boxed{}.";
+
+/// How a math problem is asked, and where its answer is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MathPrompt {
+    /// The problem as the user turn after [`BOXED_SYSTEM`]; the answer is the
+    /// response's last `\boxed{}`.
+    #[default]
+    Boxed,
+    /// Think in `<think>`, answer in `<answer>` tags (the prompt before the
+    /// boxed one); the answer is read as [`extract_gsm8k_answer`] and
+    /// [`extract_math_answer`] say.
+    AnswerTags,
+}
+
+impl MathPrompt {
+    pub fn name(self) -> &'static str {
+        match self {
+            MathPrompt::Boxed => "boxed",
+            MathPrompt::AnswerTags => "answer-tags",
+        }
+    }
+}
+
+impl std::str::FromStr for MathPrompt {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "boxed" => Ok(MathPrompt::Boxed),
+            "answer-tags" => Ok(MathPrompt::AnswerTags),
+            other => Err(format!(
+                "unknown math prompt `{other}` (boxed, answer-tags)"
+            )),
+        }
+    }
+}
 
 /// A GSM8K problem.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +94,8 @@ pub struct MathProblem {
     pub level: Option<String>,
     /// `type` in MATH, `subject` in MATH-500.
     pub subject: Option<String>,
+    /// OlympiadBench: the answer's unit, which a response may add.
+    pub unit: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -49,17 +106,35 @@ struct GsmRecord {
 
 #[derive(Deserialize)]
 struct MathRecord {
-    problem: String,
+    /// `question` in OlympiadBench (AIME 24 and AMC 23 have both).
     #[serde(default)]
-    solution: String,
+    problem: Option<String>,
     #[serde(default)]
-    answer: Option<String>,
+    question: Option<String>,
+    /// Text, or a list of texts (OlympiadBench).
+    #[serde(default)]
+    solution: serde_json::Value,
+    /// Text, or a number (AMC 23).
+    #[serde(default)]
+    answer: Option<serde_json::Value>,
+    #[serde(default)]
+    final_answer: Option<Vec<String>>,
     #[serde(default)]
     level: Option<serde_json::Value>,
     #[serde(default, rename = "type")]
     kind: Option<String>,
     #[serde(default)]
     subject: Option<String>,
+    #[serde(default)]
+    unit: Option<String>,
+}
+
+/// A JSON value as text: a string as it is, anything else as JSON (`27.0`).
+fn text_of(value: serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => s,
+        other => other.to_string(),
+    }
 }
 
 /// Load a GSM8K JSONL file (plain or gzip).
@@ -79,28 +154,50 @@ pub fn load_gsm8k(path: &Path) -> Result<Vec<GsmProblem>, EvalError> {
         .collect()
 }
 
-/// Load a MATH JSONL file (plain or gzip).
+/// Load a MATH-style JSONL file (plain or gzip): MATH, MATH-500, Minerva,
+/// OlympiadBench, AIME, AMC (see the module doc for where each keeps its
+/// reference answer).
 pub fn load_math(path: &Path) -> Result<Vec<MathProblem>, EvalError> {
     let records: Vec<(usize, MathRecord)> = super::read_jsonl(path)?;
     records
         .into_iter()
         .map(|(line, record)| {
+            let solution = match record.solution {
+                serde_json::Value::Array(parts) => {
+                    let parts: Vec<String> = parts.into_iter().map(text_of).collect();
+                    parts.join("\n")
+                }
+                serde_json::Value::Null => String::new(),
+                other => text_of(other),
+            };
+            let final_answer = record
+                .final_answer
+                .and_then(|answers| answers.into_iter().next())
+                .map(|a| a.trim().trim_matches('$').trim().to_string());
             let answer = record
                 .answer
+                .map(text_of)
+                .or(final_answer)
                 .filter(|a| !a.trim().is_empty())
-                .or_else(|| last_boxed(&record.solution))
+                .or_else(|| last_boxed(&solution))
                 .ok_or_else(|| {
-                    super::bad_record(path, line, "no `answer` and no \\boxed{} in `solution`")
+                    super::bad_record(
+                        path,
+                        line,
+                        "no `answer`, no `final_answer` and no \\boxed{} in `solution`",
+                    )
                 })?;
+            let problem = record
+                .problem
+                .or(record.question)
+                .ok_or_else(|| super::bad_record(path, line, "no `problem` and no `question`"))?;
             Ok(MathProblem {
-                problem: record.problem,
-                solution: record.solution,
+                problem,
+                solution,
                 answer,
-                level: record.level.map(|v| match v {
-                    serde_json::Value::String(s) => s,
-                    other => other.to_string(),
-                }),
+                level: record.level.map(text_of),
                 subject: record.subject.or(record.kind),
+                unit: record.unit.filter(|u| !u.trim().is_empty()),
             })
         })
         .collect()
@@ -113,23 +210,36 @@ fn gsm8k_gold(solution: &str) -> Option<String> {
     (!answer.is_empty()).then_some(answer)
 }
 
-pub fn gsm8k_prompt(problem: &GsmProblem) -> ChatPrompt {
-    ChatPrompt {
-        system: SYSTEM.to_string(),
-        user: format!(
-            "Solve this problem. The final answer is a number.\n{}",
-            problem.question
-        ),
+pub fn gsm8k_prompt(problem: &GsmProblem, style: MathPrompt) -> ChatPrompt {
+    match style {
+        MathPrompt::Boxed => boxed_prompt(&problem.question),
+        MathPrompt::AnswerTags => ChatPrompt {
+            system: SYSTEM.to_string(),
+            user: format!(
+                "Solve this problem. The final answer is a number.\n{}",
+                problem.question
+            ),
+        },
     }
 }
 
-pub fn math_prompt(problem: &MathProblem) -> ChatPrompt {
+pub fn math_prompt(problem: &MathProblem, style: MathPrompt) -> ChatPrompt {
+    match style {
+        MathPrompt::Boxed => boxed_prompt(&problem.problem),
+        MathPrompt::AnswerTags => ChatPrompt {
+            system: SYSTEM.to_string(),
+            user: format!(
+                "Solve this problem. Write the final answer in LaTeX as \\boxed{{...}}.\n{}",
+                problem.problem
+            ),
+        },
+    }
+}
+
+fn boxed_prompt(problem: &str) -> ChatPrompt {
     ChatPrompt {
-        system: SYSTEM.to_string(),
-        user: format!(
-            "Solve this problem. Write the final answer in LaTeX as \\boxed{{...}}.\n{}",
-            problem.problem
-        ),
+        system: BOXED_SYSTEM.to_string(),
+        user: problem.trim().to_string(),
     }
 }
 
@@ -162,9 +272,21 @@ pub fn gsm8k_equal(predicted: &str, gold: &str) -> bool {
     }
 }
 
-/// Extract and compare; `false` when the response has no answer.
-pub fn score_gsm8k(problem: &GsmProblem, response: &str) -> bool {
-    extract_gsm8k_answer(response).is_some_and(|a| gsm8k_equal(&a, &problem.answer))
+/// The number a GSM8K response gives under the boxed prompt: the last
+/// number inside its last `\boxed{}` (the box's text when it holds none).
+pub fn extract_boxed_number(response: &str) -> Option<String> {
+    let boxed = last_boxed(response)?;
+    let number = numbers_in(&boxed).last().map(|n| n.to_string());
+    Some(number.unwrap_or(boxed))
+}
+
+/// Extract (as `style` says) and compare; `false` when the response has no answer.
+pub fn score_gsm8k(problem: &GsmProblem, response: &str, style: MathPrompt) -> bool {
+    let answer = match style {
+        MathPrompt::Boxed => extract_boxed_number(response),
+        MathPrompt::AnswerTags => extract_gsm8k_answer(response),
+    };
+    answer.is_some_and(|a| gsm8k_equal(&a, &problem.answer))
 }
 
 /// A MATH response's answer: its last balanced `\boxed{}` (or `\fbox{}`),
@@ -177,21 +299,101 @@ pub fn extract_math_answer(response: &str) -> Option<String> {
 }
 
 /// Are two MATH answers equivalent after [`normalize_math`]: the same
-/// string, or both numbers that are equal?
+/// string; or both numbers that are equal; or tuples or intervals under the
+/// same brackets whose parts are equivalent in order; or lists of several
+/// answers separated by commas, equivalent in some order.
 pub fn math_equal(predicted: &str, gold: &str) -> bool {
-    let (p, g) = (normalize_math(predicted), normalize_math(gold));
+    normalized_equal(&normalize_math(predicted), &normalize_math(gold))
+}
+
+fn normalized_equal(p: &str, g: &str) -> bool {
     if p == g {
         return true;
     }
-    match (math_number(&p), math_number(&g)) {
-        (Some(p), Some(g)) => p.equals(&g),
-        _ => false,
+    if let (Some(p), Some(g)) = (math_number(p), math_number(g)) {
+        return p.equals(&g);
     }
+    if let (Some(p), Some(g)) = (bracketed(p), bracketed(g)) {
+        let same_shape = p.0 == g.0 && p.2 == g.2 && p.1.len() == g.1.len();
+        return same_shape && p.1.iter().zip(&g.1).all(|(a, b)| normalized_equal(a, b));
+    }
+    let (p, g) = (top_level_parts(p), top_level_parts(g));
+    g.len() > 1 && p.len() == g.len() && equal_in_some_order(&p, &g)
 }
 
-/// Extract and compare; `false` when the response has no answer.
-pub fn score_math(problem: &MathProblem, response: &str) -> bool {
-    extract_math_answer(response).is_some_and(|a| math_equal(&a, &problem.answer))
+/// `(a,b)`, `[a,b)`, ...: the opening bracket, the top-level parts and the
+/// closing bracket, when one bracket pair encloses the whole text.
+fn bracketed(s: &str) -> Option<(char, Vec<&str>, char)> {
+    let open = s.chars().next().filter(|c| matches!(c, '(' | '['))?;
+    let close = s.chars().last().filter(|c| matches!(c, ')' | ']'))?;
+    let inner = &s[1..s.len() - 1];
+    // The first bracket must close at the end: "(1,2),(3,4)" is a list.
+    let mut depth = 0i32;
+    for c in inner.chars() {
+        match c {
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' => depth -= 1,
+            _ => {}
+        }
+        if depth < 0 {
+            return None;
+        }
+    }
+    (depth == 0).then(|| (open, top_level_parts(inner), close))
+}
+
+/// The parts of `s` between commas outside brackets and braces.
+fn top_level_parts(s: &str) -> Vec<&str> {
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0i32, 0);
+    for (i, c) in s.char_indices() {
+        match c {
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&s[start..]);
+    parts
+}
+
+/// Can `p`'s parts be paired one to one with equivalent parts of `g`?
+fn equal_in_some_order(p: &[&str], g: &[&str]) -> bool {
+    let mut unused: Vec<&str> = g.to_vec();
+    for part in p {
+        match unused.iter().position(|u| normalized_equal(part, u)) {
+            Some(i) => {
+                unused.swap_remove(i);
+            }
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Extract (as `style` says) and compare, a trailing unit of the problem's
+/// own (OlympiadBench) set aside; `false` when the response has no answer.
+pub fn score_math(problem: &MathProblem, response: &str, style: MathPrompt) -> bool {
+    let answer = match style {
+        MathPrompt::Boxed => last_boxed(response),
+        MathPrompt::AnswerTags => extract_math_answer(response),
+    };
+    let Some(answer) = answer else {
+        return false;
+    };
+    if math_equal(&answer, &problem.answer) {
+        return true;
+    }
+    let unit = problem.unit.as_deref().map(normalize_math);
+    let answer = normalize_math(&answer);
+    let without_unit = unit
+        .filter(|u| !u.is_empty())
+        .and_then(|u| answer.strip_suffix(u.as_str()).map(str::to_string));
+    without_unit.is_some_and(|a| math_equal(&a, &problem.answer))
 }
 
 /// The content of the last balanced `\boxed{...}` or `\fbox{...}` (nested
@@ -456,6 +658,7 @@ pub fn normalize_math(answer: &str) -> String {
     }
     s = fix_sqrt(&s);
     s.retain(|c| !c.is_whitespace());
+    s = fix_scientific(&s);
     s = fix_fracs(&s);
     s = fix_slash(&s);
     s = drop_thousands_commas(&s);
@@ -508,6 +711,23 @@ fn matching_brace(s: &str, open: usize) -> Option<usize> {
         }
     }
     None
+}
+
+/// `4.5\times10^{33}`, `4.5\cdot10^{33}`, `4.5*10^33` → `4.5e33` (spaces gone).
+fn fix_scientific(s: &str) -> String {
+    for times in ["\\times10^", "\\cdot10^", "*10^"] {
+        let Some((mantissa, exponent)) = s.split_once(times) else {
+            continue;
+        };
+        let exponent = exponent
+            .strip_prefix('{')
+            .and_then(|e| e.strip_suffix('}'))
+            .unwrap_or(exponent);
+        if plain_number(mantissa).is_some() && exponent.parse::<i32>().is_ok() {
+            return format!("{mantissa}e{exponent}");
+        }
+    }
+    s.to_string()
 }
 
 /// `\sqrt2` → `\sqrt{2}`.

@@ -8,16 +8,45 @@
 //!
 //! | file | owns |
 //! |---|---|
+//! | [`data`] | the shipped benchmark files (`data/`) and their checksums |
 //! | [`humaneval`] | HumanEval problems, code extraction, sandboxed tests, pass@k, `samples.jsonl` |
 //! | [`humaneval_io`] | output/input-prediction items built from HumanEval tests |
-//! | [`math`] | GSM8K and MATH sets, answer extraction and equivalence |
+//! | [`evalplus`] | HumanEval+ and MBPP+, scored by EvalPlus's rules, its samples file |
+//! | [`cruxeval`] | CRUXEval-O and -I, scored by its harness's rule, its generations file |
+//! | [`math`] | the math sets (GSM8K, MATH-500, Minerva, OlympiadBench, AIME, AMC), answer extraction and equivalence |
 //! | [`compare`] | per-item scores and a paired bootstrap over items |
+//! | `harness.py` | the official harnesses' checks, run in the sandbox |
 //! | `mod.rs` | [`EvalError`], [`ChatPrompt`], JSONL reading, [`BenchmarkResult`] and [`table`] |
 
 pub mod compare;
+pub mod cruxeval;
+pub mod data;
+pub mod evalplus;
 pub mod humaneval;
 pub mod humaneval_io;
 pub mod math;
+
+/// The benchmarks `eval --benchmarks` and an experiment's `[eval]
+/// benchmarks` name (the runtime's `experiment::evaluate` builds them).
+pub const BENCHMARKS: [&str; 13] = [
+    "humaneval",
+    "humaneval-io",
+    "humaneval+",
+    "mbpp+",
+    "cruxeval-o",
+    "cruxeval-i",
+    "gsm8k",
+    "math500",
+    "minerva",
+    "olympiadbench",
+    "aime24",
+    "aime25",
+    "amc23",
+];
+
+/// The official harnesses' checks (EvalPlus's, CRUXEval's), as the Python a
+/// [`crate::verify::Job::Harness`] runs.
+pub(crate) const HARNESS: &str = include_str!("harness.py");
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -46,6 +75,12 @@ pub enum EvalError {
     },
     #[error("the sandbox failed: {0}")]
     Sandbox(#[from] crate::verify::Error),
+    #[error("{path} is not the file the project ships: its SHA-256 is {found}, expected {expected} (restore it, e.g. with `git checkout -- data/`)")]
+    Checksum {
+        path: PathBuf,
+        expected: &'static str,
+        found: String,
+    },
 }
 
 pub use crate::task::ChatPrompt;
@@ -70,6 +105,20 @@ pub(crate) fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize,
     Ok(records)
 }
 
+/// Write one JSON line per record.
+pub(crate) fn write_jsonl<T: Serialize>(path: &Path, records: &[T]) -> Result<(), EvalError> {
+    let write_error = |source| EvalError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut out = Vec::new();
+    for record in records {
+        serde_json::to_writer(&mut out, record).map_err(|e| write_error(e.into()))?;
+        out.push(b'\n');
+    }
+    std::fs::write(path, out).map_err(write_error)
+}
+
 /// An error about one record of a JSONL file.
 pub(crate) fn bad_record(path: &Path, line: usize, message: impl Into<String>) -> EvalError {
     EvalError::BadRecord {
@@ -79,7 +128,7 @@ pub(crate) fn bad_record(path: &Path, line: usize, message: impl Into<String>) -
     }
 }
 
-fn read_text(path: &Path) -> Result<String, EvalError> {
+pub(crate) fn read_text(path: &Path) -> Result<String, EvalError> {
     let read_error = |source| EvalError::Read {
         path: path.to_path_buf(),
         source,
@@ -115,10 +164,16 @@ pub struct ItemRecord {
     pub member: String,
     /// Which sample of the item (0 when greedy).
     pub sample: usize,
+    /// Whether the answer is right (HumanEval+ and MBPP+: on the base and
+    /// the plus inputs).
     pub passed: bool,
+    /// HumanEval+ and MBPP+: whether it passed the base inputs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_passed: Option<bool>,
     /// The response as generated (stop token removed).
     pub response: String,
-    /// HumanEval: the completion handed to the official harness.
+    /// The answer as the benchmark's official harness takes it: HumanEval's
+    /// `completion`, EvalPlus's `solution`, CRUXEval's generation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion: Option<String>,
 }

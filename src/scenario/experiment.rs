@@ -10,7 +10,7 @@
 //! seeds = [1, 2, 3]                    # default: the population scenario's seed
 //! [eval]
 //! benchmarks = ["humaneval", "humaneval-io"]
-//! selection = 0.3                      # share of HumanEval problems that pick the best member
+//! selection = 0.3                      # share of the problems that pick the best member
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -84,14 +84,17 @@ pub struct Experiment {
 #[serde(default, deny_unknown_fields)]
 pub struct ExperimentEval {
     /// Benchmarks: `humaneval` (pass@1 greedy, or pass@k), `humaneval-io`
-    /// (output and input prediction, answers decoded as in self-play).
-    /// Default: both.
+    /// (output and input prediction, answers decoded as in self-play), or
+    /// any other of [`crate::eval::BENCHMARKS`] (`humaneval+`, `mbpp+`,
+    /// `cruxeval-o`, `cruxeval-i`, the math sets). Default: the first two.
     pub benchmarks: Vec<String>,
     /// Items per benchmark, 0 = all (after `problems`). Default: 0.
     pub limit: usize,
-    /// A fixed subset of HumanEval problems, each with all its HumanEval-IO
-    /// items, drawn with a stream keyed by the first seed and the same for
-    /// every row (the report names them); 0 = every problem. Default: 0.
+    /// A fixed subset of each benchmark's problems (of HumanEval's: each with
+    /// all its HumanEval-IO items; of CRUXEval's: each function with its O
+    /// and I items), drawn with a stream keyed by the first seed and the
+    /// same for every row (the report names them); 0 = every problem.
+    /// Default: 0.
     pub problems: usize,
     /// Samples per item: 1 = greedy pass@1; more adds pass@k at temperature 0.8. Default: 1.
     pub samples: usize,
@@ -103,8 +106,9 @@ pub struct ExperimentEval {
     pub batch: usize,
     /// Bootstrap resamples for the intervals, >= 100. Default: 10000.
     pub bootstrap: usize,
-    /// Share of the HumanEval problems (each with its HumanEval-IO items),
-    /// drawn once with a seeded stream and the same for every row, on which
+    /// Share of the evaluated problems (each with all its items: a HumanEval
+    /// problem with its HumanEval-IO items, a CRUXEval function with its O and
+    /// I items), drawn once with a seeded stream and the same for every row, on which
     /// the best and the weakest member of each seed are chosen; every row is
     /// reported on the rest. 0 < selection < 1. Default: 0.3.
     pub selection: f64,
@@ -223,7 +227,7 @@ impl Experiment {
     /// `[eval]`'s ranges; `Err((key, message))`.
     fn check_eval(&self) -> Result<(), (&'static str, String)> {
         let e = &self.eval;
-        let known = ["humaneval", "humaneval-io"];
+        let known = crate::eval::BENCHMARKS;
         if e.benchmarks.is_empty() || e.benchmarks.iter().any(|b| !known.contains(&b.as_str())) {
             let message = format!(
                 "eval.benchmarks = {:?}: allowed a non-empty list of {known:?}",

@@ -231,8 +231,8 @@ pub fn judge_proposals(
                     .take(n)
                     .map(|o| match o? {
                         Outcome::Proposal(v) => Ok(v),
-                        Outcome::Check(_) => Err(crate::verify::Error::Protocol(
-                            "a proposal job returned a check".into(),
+                        _ => Err(crate::verify::Error::Protocol(
+                            "a proposal job returned another job's result".into(),
                         )),
                     })
                     .collect::<std::result::Result<Vec<_>, crate::verify::Error>>()?;

@@ -13,7 +13,7 @@ use crate::task::buffer::solver_task_from_induction;
 use crate::task::{
     parse_answer, solver_prompt, Answer, BuiltPrompt, FormatError, SolverTask, TaskBuffers,
 };
-use crate::verify::{Job, Outcome, Status, VerifierPool};
+use crate::verify::{Job, Status, VerifierPool};
 
 /// A problem put to one or more solvers.
 #[derive(Debug, Clone)]
@@ -221,8 +221,7 @@ pub fn judge_solutions(
             Err(e) => (SolverOutcome::Malformed, Some(e), None),
             Ok(_) => {
                 let status = match judged.next() {
-                    Some(Ok(Outcome::Check(j))) => j.status,
-                    Some(Ok(Outcome::Proposal(v))) => v.status,
+                    Some(Ok(outcome)) => outcome.status(),
                     Some(Err(e)) => return Err(e.into()),
                     None => {
                         return Err(crate::verify::Error::Protocol(

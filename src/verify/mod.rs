@@ -170,6 +170,24 @@ impl Judgement {
     }
 }
 
+/// What a benchmark's own check ([`Job::Harness`]) said about a program.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HarnessResult {
+    /// `Ok`: passed.
+    pub status: Status,
+    pub reason: String,
+    /// What the check returned besides its verdict (strings, at most 1 MiB
+    /// in all with the rest of the result).
+    pub outputs: Vec<String>,
+    pub wall_ms: f64,
+}
+
+impl HarnessResult {
+    pub fn passed(&self) -> bool {
+        self.status == Status::Ok
+    }
+}
+
 /// Limits applied to every child (and to what we send it). A checker takes
 /// `memory_mb` and `open_files` too.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 //! (one exception: see `CHECKER_RETIRE_KB` in `server.py`).
 
 use super::server::{Reply, Request, Role, Server};
-use super::{Error, Judgement, Layer, Limits, SandboxConfig, Status, Validation};
+use super::{Error, HarnessResult, Judgement, Layer, Limits, SandboxConfig, Status, Validation};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -39,6 +39,18 @@ pub enum Job {
         test: String,
         entry_point: String,
     },
+    /// A benchmark's own check of `program`: the trusted Python `harness`
+    /// defines `main(program, args)`, which runs `program` as that benchmark's
+    /// harness does and returns the result. No AST filter: the OS layers
+    /// contain whatever the program does. The job's own wall-clock and
+    /// memory limits replace the configured ones.
+    Harness {
+        harness: &'static str,
+        program: String,
+        args: serde_json::Value,
+        timeout_ms: u64,
+        memory_mb: u64,
+    },
 }
 
 /// The result of one [`Job`].
@@ -46,6 +58,7 @@ pub enum Job {
 pub enum Outcome {
     Proposal(Validation),
     Check(Judgement),
+    Harness(HarnessResult),
 }
 
 impl Outcome {
@@ -53,6 +66,16 @@ impl Outcome {
         match self {
             Outcome::Proposal(v) => v.status,
             Outcome::Check(j) => j.status,
+            Outcome::Harness(h) => h.status,
+        }
+    }
+
+    /// Why it did not succeed (empty when it did).
+    pub fn reason(&self) -> &str {
+        match self {
+            Outcome::Proposal(v) => &v.reason,
+            Outcome::Check(j) => &j.reason,
+            Outcome::Harness(h) => &h.reason,
         }
     }
 }
@@ -119,7 +142,7 @@ impl VerifierPool {
             input: input.into(),
         })? {
             Outcome::Proposal(validation) => Ok(validation),
-            Outcome::Check(_) => Err(Error::Job("a proposal was judged as a check".into())),
+            _ => Err(Error::Job("a proposal was answered as another job".into())),
         }
     }
 
@@ -413,7 +436,7 @@ fn panicked() -> Error {
 fn judged(outcome: Outcome) -> Result<Judgement, Error> {
     match outcome {
         Outcome::Check(judgement) => Ok(judgement),
-        Outcome::Proposal(_) => Err(Error::Job("a check was judged as a proposal".into())),
+        _ => Err(Error::Job("a check was answered as another job".into())),
     }
 }
 
@@ -445,6 +468,7 @@ fn rejection(job: &Job, limits: &Limits) -> Option<Judgement> {
         Job::HumanEval { program, test, .. } => {
             code(program, "program").or_else(|| code(test, "test code"))
         }
+        Job::Harness { program, .. } => code(program, "program"),
     }
 }
 
@@ -455,6 +479,12 @@ fn rejected_outcome(job: &Job, rejected: Judgement) -> Outcome {
             rejected.reason,
             rejected.wall_ms,
         )),
+        Job::Harness { .. } => Outcome::Harness(HarnessResult {
+            status: rejected.status,
+            reason: rejected.reason,
+            outputs: Vec::new(),
+            wall_ms: rejected.wall_ms,
+        }),
         _ => Outcome::Check(rejected),
     }
 }
@@ -489,7 +519,7 @@ fn first_check(job: &Job) -> Option<Request<'_>> {
             program,
             pairs.iter().map(|(input, _)| input.as_str()).collect(),
         ),
-        Job::HumanEval { .. } => None,
+        Job::HumanEval { .. } | Job::Harness { .. } => None,
     }
 }
 
@@ -508,6 +538,21 @@ fn run_request<'a>(job: &'a Job, checked: &'a Slot) -> Option<Request<'a>> {
                 program,
                 test,
                 entry_point,
+            })
+        }
+        Job::Harness {
+            harness,
+            program,
+            args,
+            timeout_ms,
+            memory_mb,
+        } => {
+            return Some(Request::Harness {
+                harness,
+                program,
+                args,
+                timeout_ms: *timeout_ms,
+                memory_mb: *memory_mb,
             })
         }
     };
@@ -617,6 +662,15 @@ fn outcome(job: &Job, stages: Stages) -> Result<Outcome, Error> {
                 run.reason,
                 run.wall_ms,
             )))
+        }
+        Job::Harness { .. } => {
+            let run = stage(stages.ran)?;
+            Ok(Outcome::Harness(HarnessResult {
+                status: run.status,
+                reason: run.reason,
+                outputs: run.outputs,
+                wall_ms: run.wall_ms,
+            }))
         }
     }
 }

@@ -14,8 +14,8 @@
 #   Landlock) and serves many jobs, so this work runs warm: in a freshly forked
 #   child, parsing and compiling cost ~5x more, nearly all of it copy-on-write
 #   faults. It never executes what it is given.
-# - "zygote": a trusted fork server. Each job (run prepared code, or a
-#   HumanEval problem) runs in a forked child with its own process group,
+# - "zygote": a trusted fork server. Each job (run prepared code, a
+#   HumanEval problem, or a benchmark's own check of a program) runs in a forked child with its own process group,
 #   rlimits, temp dir and an unprivileged uid; nothing a program does reaches
 #   the zygote except the bytes it writes to its own pipes, which are capped.
 import sys
@@ -963,10 +963,19 @@ def job_humaneval(job):
     return {"status": "ok"}
 
 
+def job_harness(job):
+    """A benchmark's own check (src/eval/harness.py, trusted) of `program`
+    (untrusted), in a child: the harness's `main(program, args)` gives the
+    result."""
+    namespace = {"__name__": "__harness__", "__builtins__": builtins}
+    exec(compile(job["harness"], "<harness>", "exec"), namespace)
+    return namespace["main"](job["program"], job["args"])
+
+
 # The jobs each role serves (the config's "role").
 JOBS = {
     "checker": {"prepare": job_prepare, "compare": job_compare},
-    "zygote": {"run": job_run, "humaneval": job_humaneval},
+    "zygote": {"run": job_run, "humaneval": job_humaneval, "harness": job_harness},
 }
 
 # Fixed, trusted jobs that a server runs on itself before it starts serving.
@@ -1282,8 +1291,16 @@ def supervise(pid, out_r, err_r, res_r, result_buffered, limits, deadline):
     return verdict, bufs
 
 
+def job_limits(limits, job):
+    """The configured limits, with a job's own wall-clock and memory limits
+    where it brings them (a harness job: a benchmark's time limits)."""
+    own = {key: job[key] for key in ("timeout_ms", "memory_mb") if job.get(key)}
+    return dict(limits, **own) if own else limits
+
+
 def handle(st, req):
-    job, limits = req["job"], st.cfg["limits"]
+    job = req["job"]
+    limits = job_limits(st.cfg["limits"], job)
     work = new_work_dir(st)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()

@@ -59,6 +59,25 @@ pub(crate) enum Request<'a> {
         test: &'a str,
         entry_point: &'a str,
     },
+    /// Zygote: a benchmark's own check of `program`, in a child, under the
+    /// job's own wall-clock and memory limits.
+    Harness {
+        harness: &'a str,
+        program: &'a str,
+        args: &'a serde_json::Value,
+        timeout_ms: u64,
+        memory_mb: u64,
+    },
+}
+
+impl Request<'_> {
+    /// The job's wall-clock limit: its own, or the configured one.
+    fn timeout_ms(&self, limits: &Limits) -> u64 {
+        match self {
+            Request::Harness { timeout_ms, .. } => *timeout_ms,
+            _ => limits.timeout_ms,
+        }
+    }
 }
 
 /// What a server answers for one job.
@@ -206,9 +225,10 @@ impl Server {
         Ok(server)
     }
 
-    /// Run one job; `limits.timeout_ms` plus slack is the deadline for the reply
-    /// (the server has the limits from its configuration). An `Err` means the
-    /// server itself failed and must be replaced.
+    /// Run one job; its wall-clock limit (`limits.timeout_ms` unless the job
+    /// has its own) plus slack is the deadline for the reply (the server has
+    /// the limits from its configuration). An `Err` means the server itself
+    /// failed and must be replaced.
     pub fn call(&mut self, job: &Request, limits: &Limits) -> Result<Reply, Error> {
         let body = serde_json::to_vec(&Envelope { job })
             .map_err(|e| Error::Protocol(format!("cannot encode a request: {e}")))?;
@@ -224,7 +244,7 @@ impl Server {
         if let Err(e) = stdin.write_all(&frame).and_then(|_| stdin.flush()) {
             return Err(self.exit_error().unwrap_or(Error::Io(e)));
         }
-        let budget_ms = limits.timeout_ms + REPLY_SLACK_MS;
+        let budget_ms = job.timeout_ms(limits) + REPLY_SLACK_MS;
         let value = self.receive(Instant::now() + Duration::from_millis(budget_ms), budget_ms)?;
         if let Some(message) = value.get("error").and_then(|v| v.as_str()) {
             return Err(Error::Job(message.to_string()));

@@ -395,9 +395,11 @@ fn gsm8k_loads_and_reports_bad_lines() {
     let problems = math::load_gsm8k(&path).unwrap();
     assert_eq!(problems.len(), 2);
     assert_eq!(problems[0].answer, "1003");
-    assert!(math::gsm8k_prompt(&problems[0])
-        .user
-        .contains("Tom has 3 apples"));
+    for style in [math::MathPrompt::Boxed, math::MathPrompt::AnswerTags] {
+        assert!(math::gsm8k_prompt(&problems[0], style)
+            .user
+            .contains("Tom has 3 apples"));
+    }
 
     let no_hashes = r#"{"question": "q", "answer": "no final line"}"#;
     let path = scratch_file("gsm-bad.jsonl", &format!("{good}\n{no_hashes}\n"));
@@ -427,9 +429,14 @@ fn math_loads_nested_boxed_answers() {
     assert_eq!(problems[0].subject.as_deref(), Some("Algebra"));
     assert_eq!(problems[1].answer, "5");
     assert_eq!(problems[1].level.as_deref(), Some("2"));
-    assert!(math::math_prompt(&problems[0])
-        .user
-        .contains("\\boxed{...}"));
+    assert!(
+        math::math_prompt(&problems[0], math::MathPrompt::AnswerTags)
+            .user
+            .contains("\\boxed{...}")
+    );
+    assert!(math::math_prompt(&problems[0], math::MathPrompt::Boxed)
+        .system
+        .contains("\\boxed{}"));
 
     let path = scratch_file(
         "math-bad.jsonl",
@@ -506,8 +513,12 @@ fn gsm8k_comparisons() {
         solution: "#### 72".into(),
         answer: "72".into(),
     };
-    assert!(math::score_gsm8k(&problem, "<answer>72</answer>"));
-    assert!(!math::score_gsm8k(&problem, "<answer>71</answer>"));
+    let tags = math::MathPrompt::AnswerTags;
+    assert!(math::score_gsm8k(&problem, "<answer>72</answer>", tags));
+    assert!(!math::score_gsm8k(&problem, "<answer>71</answer>", tags));
+    let boxed = math::MathPrompt::Boxed;
+    assert!(math::score_gsm8k(&problem, "so \\boxed{\\$72}.", boxed));
+    assert!(!math::score_gsm8k(&problem, "<answer>72</answer>", boxed));
 }
 
 #[test]
@@ -583,9 +594,22 @@ fn math_comparisons() {
         answer: "\\frac{3}{4}".into(),
         level: None,
         subject: None,
+        unit: None,
     };
-    assert!(math::score_math(&problem, "so \\boxed{\\dfrac34}"));
-    assert!(!math::score_math(&problem, "so \\boxed{\\frac43}"));
+    for style in [math::MathPrompt::Boxed, math::MathPrompt::AnswerTags] {
+        assert!(math::score_math(&problem, "so \\boxed{\\dfrac34}", style));
+        assert!(!math::score_math(&problem, "so \\boxed{\\frac43}", style));
+    }
+    assert!(math::score_math(
+        &problem,
+        "<answer>3/4</answer>",
+        math::MathPrompt::AnswerTags
+    ));
+    assert!(!math::score_math(
+        &problem,
+        "<answer>3/4</answer>",
+        math::MathPrompt::Boxed
+    ));
 }
 
 // --------------------------------------------------------------- results --

@@ -3,6 +3,7 @@
 //! area keeps the build and `target/` small.
 
 mod base;
+mod benchmarks;
 mod compute;
 mod eval;
 mod evolve;

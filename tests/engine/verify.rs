@@ -958,10 +958,7 @@ fn hostile_programs_are_contained() {
         let outcome = results[2 * k]
             .as_ref()
             .unwrap_or_else(|e| panic!("{name}: sandbox error {e}"));
-        let reason = match outcome {
-            Outcome::Proposal(v) => &v.reason,
-            Outcome::Check(j) => &j.reason,
-        };
+        let reason = outcome.reason();
         assert!(
             allowed.contains(&outcome.status()),
             "{name}: got {:?} ({reason})",
@@ -1031,6 +1028,7 @@ fn many_concurrent_jobs_return_in_order() {
         match result.unwrap() {
             Outcome::Proposal(v) => assert_eq!(v.output, Some((0..i).sum::<usize>().to_string())),
             Outcome::Check(j) => assert!(j.passed(), "job {i}: {}", j.reason),
+            Outcome::Harness(h) => panic!("job {i}: a harness result {h:?}"),
         }
     }
 }
@@ -1422,4 +1420,52 @@ def ident(x):
         .run_humaneval(forged, test, "ident")
         .expect("a verdict, not a sandbox error");
     assert_eq!(judged.status, Status::Ok, "{judged:?}");
+}
+
+/// A benchmark harness job: the trusted harness gets the program and its
+/// arguments, its outputs come back, and the job's own wall-clock limit
+/// (here shorter than the pool's) and memory limit replace the pool's.
+#[test]
+fn harness_jobs_run_under_their_own_limits() {
+    let _serial = serial();
+    let pool = pool(1);
+    const HARNESS: &str = "def main(program, args):\n    namespace = {}\n    exec(program, namespace)\n    return {'status': 'ok', 'outputs': [repr(namespace['f'](args['x']))]}\n";
+    let job = |program: &str, timeout_ms, memory_mb| Job::Harness {
+        harness: HARNESS,
+        program: program.to_string(),
+        args: serde_json::json!({ "x": 20 }),
+        timeout_ms,
+        memory_mb,
+    };
+    let ok = pool
+        .run(&job("def f(x):\n    return x + 1\n", 1000, 0))
+        .unwrap();
+    match &ok {
+        Outcome::Harness(h) => assert_eq!(
+            (h.status, h.outputs.as_slice()),
+            (Status::Ok, &["21".to_string()][..])
+        ),
+        other => panic!("{other:?}"),
+    }
+    let started = Instant::now();
+    let endless = pool
+        .run(&job("def f(x):\n    while True:\n        pass\n", 300, 0))
+        .unwrap();
+    assert_eq!(endless.status(), Status::Timeout, "{}", endless.reason());
+    assert!(
+        started.elapsed() < Duration::from_millis(TEST_TIMEOUT_MS),
+        "{:?}",
+        started.elapsed()
+    );
+    // 600 MiB is past the pool's 512 MB, within a job's own 1024 MB.
+    let big = "def f(x):\n    return len(bytearray(600 << x))\n";
+    let refused = pool.run(&job(big, 5000, 0)).unwrap();
+    assert_eq!(
+        refused.status(),
+        Status::MemoryLimit,
+        "{}",
+        refused.reason()
+    );
+    let allowed = pool.run(&job(big, 5000, 1024)).unwrap();
+    assert_eq!(allowed.status(), Status::Ok, "{}", allowed.reason());
 }

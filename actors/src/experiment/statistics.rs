@@ -2,11 +2,12 @@
 //! which are reported on, every seed's scores, and the pooled differences
 //! with their intervals.
 //!
-//! - **Split.** HumanEval's problems are shuffled once with a stream keyed
-//!   by the first seed; the first `eval.selection` share of them choose each
-//!   seed's best and weakest member, the rest are reported on. The same
-//!   split holds for every row and benchmark (a HumanEval-IO item follows
-//!   its problem), so no row is scored on the items that chose it.
+//! - **Split.** The evaluated problems (task ids) are shuffled once with a
+//!   stream keyed by the first seed; the first `eval.selection` share of them
+//!   choose each seed's best and weakest member, the rest are reported on.
+//!   The same split holds for every row and benchmark (a HumanEval-IO item
+//!   follows its HumanEval problem, a CRUXEval-I item the function its
+//!   CRUXEval-O item has), so no row is scored on the items that chose it.
 //! - **Groups.** Per seed: the mean over all members, over the students, over
 //!   the teachers; the best and the weakest member; the baseline at its
 //!   per-adapter mark or at its end.
@@ -131,9 +132,10 @@ impl Split {
     }
 }
 
-/// `HumanEval/12` → 12, so problems sort as the benchmark orders them.
+/// `HumanEval/12` → 12, `sample_12` → 12, so problems sort as their
+/// benchmark orders them.
 fn problem_number(id: &str) -> u64 {
-    id.rsplit('/')
+    id.rsplit(['/', '_'])
         .next()
         .and_then(|n| n.parse().ok())
         .unwrap_or(u64::MAX)
@@ -384,6 +386,7 @@ mod tests {
             member: member.into(),
             sample: 0,
             passed,
+            base_passed: None,
             response: String::new(),
             completion: None,
         }
