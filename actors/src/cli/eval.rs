@@ -104,7 +104,7 @@ impl Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let scenario = Scenario::from_file(args.dir.join("scenario.toml"), check_operator)?;
+    let scenario = Scenario::from_recorded_file(args.dir.join("scenario.toml"), check_operator)?;
     let engine = Engine::load(&scenario, &mut |m| eprintln!("{m}"))?;
     let pool = VerifierPool::new(SandboxConfig::default())?;
     let mut rows = members(&args.dir, "")?;
