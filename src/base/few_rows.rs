@@ -60,16 +60,18 @@ impl Isa {
         Isa::Portable,
     ];
 
+    /// Whether this CPU has the features the kernels enable. F16C (every
+    /// AVX2 CPU has it) converts the f16 scales of weights in blocks.
     pub(crate) fn runs_here(self) -> bool {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-            }
+            Isa::Avx512 => is_x86_feature_detected!("avx512f") && Isa::Avx2.runs_here(),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
             Isa::Portable => true,
         }
     }

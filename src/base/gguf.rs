@@ -1,8 +1,11 @@
 //! Reading (and, for tests, writing) Llama-architecture GGUF files.
 //!
-//! Weights are dequantized to f32. llama.cpp's converter permutes the rows of
-//! q/k for interleaved RoPE; we undo that here so everything downstream is in
-//! HF layout (and an adapter trained here exports to PEFT without any permutation).
+//! Matrices are kept in their blocks where a kernel reads the format
+//! ([`WeightsSetting::Native`]: Q4_1, Q8_0, F16, BF16), else dequantized to
+//! f32. llama.cpp's converter permutes the rows of q/k for interleaved RoPE;
+//! we undo that here (moving whole rows of blocks, which keeps them exact) so
+//! everything downstream is in HF layout (and an adapter trained here exports
+//! to PEFT without any permutation).
 
 use std::fs::File;
 use std::io::{BufReader, Read, Seek};
@@ -12,12 +15,14 @@ use candle_core::quantized::gguf_file::{self, Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
+use super::blocks::{BlockFormat, BlockMatrix};
 use super::chat::ChatTemplate;
 use super::config::{Arch, ModelConfig};
 use super::error::{Error, Result};
 use super::model::{Block, Linear, Llama};
 use super::tiny::TinyVocab;
 use super::tokenizer::Tokenizer;
+use super::weight::{Weight, WeightsSetting};
 
 /// GGUF `token_type` of control tokens (`<|im_start|>` etc.).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -69,25 +74,58 @@ impl Reader<'_> {
     }
 
     fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let bad = |reason: String| Error::BadTensor {
+        let q = self.qtensor(name, shape)?;
+        q.dequantize(&Device::Cpu)
+            .map_err(|e| self.bad_tensor(name, e.to_string()))
+    }
+
+    /// A matrix, kept in blocks under `Native` when its type has a kernel.
+    fn weight(&mut self, name: &str, shape: &[usize], setting: WeightsSetting) -> Result<Weight> {
+        let q = self.qtensor(name, shape)?;
+        let native = match setting {
+            WeightsSetting::Native => BlockFormat::of_ggml(q.dtype()),
+            WeightsSetting::F32 => None,
+        };
+        let (Some(format), &[rows, cols]) = (native, shape) else {
+            let t = q
+                .dequantize(&Device::Cpu)
+                .map_err(|e| self.bad_tensor(name, e.to_string()))?;
+            return Ok(Weight::Dense(t));
+        };
+        let bytes = q
+            .data()
+            .map_err(|e| self.bad_tensor(name, e.to_string()))?
+            .into_owned();
+        drop(q);
+        match BlockMatrix::new(format, rows, cols, bytes) {
+            Ok(blocks) => Ok(blocks.into()),
+            Err(reason) => Err(self.bad_tensor(name, reason)),
+        }
+    }
+
+    fn bad_tensor(&self, name: &str, reason: String) -> Error {
+        Error::BadTensor {
             path: self.path.to_path_buf(),
             name: name.to_string(),
             reason,
-        };
+        }
+    }
+
+    fn qtensor(&mut self, name: &str, shape: &[usize]) -> Result<QTensor> {
         if !self.content.tensor_infos.contains_key(name) {
-            return Err(bad("missing".into()));
+            return Err(self.bad_tensor(name, "missing".into()));
         }
         let q = self
             .content
             .tensor(&mut self.file, name, &Device::Cpu)
-            .map_err(|e| bad(e.to_string()))?;
+            .map_err(|e| self.bad_tensor(name, e.to_string()))?;
         if q.shape().dims() != shape {
-            return Err(bad(format!(
-                "shape {:?}, expected {shape:?}",
-                q.shape().dims()
-            )));
+            return Err(self.bad_tensor(
+                name,
+                format!("shape {:?}, expected {shape:?}", q.shape().dims()),
+            ));
         }
-        q.dequantize(&Device::Cpu).map_err(|e| bad(e.to_string()))
+        Ok(q)
     }
 
     fn has(&self, name: &str) -> bool {
@@ -271,8 +309,28 @@ pub fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape((out, cols))?)
 }
 
-/// Load a Llama GGUF file: weights dequantized to f32, tokenizer from metadata.
-pub fn load(path: &Path) -> Result<(Llama, Tokenizer)> {
+/// Which row of a permuted `[rows, ..]` q/k matrix row `r` of
+/// [`unpermute_rows`]' result comes from: `(h, t, i)` ← `(h, i, t)`.
+fn unpermuted_source(r: usize, rows: usize, heads: usize) -> usize {
+    let half = rows / heads / 2;
+    let (h, within) = (r / (2 * half), r % (2 * half));
+    let (t, i) = (within / half, within % half);
+    h * 2 * half + i * 2 + t
+}
+
+/// [`unpermute_rows`] on a weight in either form.
+fn unpermute_weight(w: Weight, heads: usize) -> Result<Weight> {
+    Ok(match w {
+        Weight::Dense(t) => Weight::Dense(unpermute_rows(&t, heads)?),
+        Weight::Blocks(b) => {
+            let rows = b.rows();
+            b.permute_rows(|r| unpermuted_source(r, rows, heads)).into()
+        }
+    })
+}
+
+/// Load a Llama GGUF file: weights kept as `setting` says, tokenizer from metadata.
+pub fn load(path: &Path, setting: WeightsSetting) -> Result<(Llama, Tokenizer)> {
     let mut r = open(path)?;
     let cfg = config_of(&r)?;
     let tokenizer = tokenizer_of(&r)?;
@@ -282,29 +340,48 @@ pub fn load(path: &Path) -> Result<(Llama, Tokenizer)> {
         cfg.q_dim(),
         cfg.kv_dim(),
     );
-    let embed = r.tensor("token_embd.weight", &[cfg.vocab_size, h])?;
+    let embed = r.weight("token_embd.weight", &[cfg.vocab_size, h], setting)?;
     let mut blocks = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
-        let mut t =
-            |name: &str, shape: &[usize]| r.tensor(&format!("blk.{i}.{name}.weight"), shape);
-        let linear = |weight| Linear { weight, bias: None };
+        let name = |n: &str| format!("blk.{i}.{n}.weight");
+        let mut linear = |n: &str, shape: &[usize]| -> Result<Linear> {
+            Ok(Linear {
+                weight: r.weight(&name(n), shape, setting)?,
+                bias: None,
+            })
+        };
+        let q = linear("attn_q", &[qd, h])?;
+        let k = linear("attn_k", &[kvd, h])?;
+        let (v, o) = (
+            linear("attn_v", &[kvd, h])?,
+            linear("attn_output", &[h, qd])?,
+        );
+        let gate = linear("ffn_gate", &[ffn, h])?;
+        let up = linear("ffn_up", &[ffn, h])?;
+        let down = linear("ffn_down", &[h, ffn])?;
         blocks.push(Block {
-            attn_norm: t("attn_norm", &[h])?,
-            q: linear(unpermute_rows(&t("attn_q", &[qd, h])?, cfg.num_heads)?),
-            k: linear(unpermute_rows(&t("attn_k", &[kvd, h])?, cfg.num_kv_heads)?),
-            v: linear(t("attn_v", &[kvd, h])?),
-            o: linear(t("attn_output", &[h, qd])?),
-            mlp_norm: t("ffn_norm", &[h])?,
-            gate: linear(t("ffn_gate", &[ffn, h])?),
-            up: linear(t("ffn_up", &[ffn, h])?),
-            down: linear(t("ffn_down", &[h, ffn])?),
+            attn_norm: r.tensor(&name("attn_norm"), &[h])?,
+            q: Linear {
+                weight: unpermute_weight(q.weight, cfg.num_heads)?,
+                bias: None,
+            },
+            k: Linear {
+                weight: unpermute_weight(k.weight, cfg.num_kv_heads)?,
+                bias: None,
+            },
+            v,
+            o,
+            mlp_norm: r.tensor(&name("ffn_norm"), &[h])?,
+            gate,
+            up,
+            down,
         });
     }
     let final_norm = r.tensor("output_norm.weight", &[h])?;
     let lm_head = if cfg.tie_word_embeddings {
         None
     } else {
-        Some(r.tensor("output.weight", &[cfg.vocab_size, h])?)
+        Some(r.weight("output.weight", &[cfg.vocab_size, h], setting)?)
     };
     Ok((
         Llama::new(cfg, embed, blocks, final_norm, lm_head)?,
@@ -368,36 +445,47 @@ impl GgufContents {
         .collect();
 
         let mut tensors: Vec<(String, Tensor)> =
-            vec![("token_embd.weight".into(), model.embed.clone())];
+            vec![("token_embd.weight".into(), model.embed.dense()?)];
         for (i, b) in model.blocks.iter().enumerate() {
             let name = |n: &str| format!("blk.{i}.{n}.weight");
             tensors.push((name("attn_norm"), b.attn_norm.clone()));
-            tensors.push((name("attn_q"), permute_rows(&b.q.weight, cfg.num_heads)?));
-            tensors.push((name("attn_k"), permute_rows(&b.k.weight, cfg.num_kv_heads)?));
-            tensors.push((name("attn_v"), b.v.weight.clone()));
-            tensors.push((name("attn_output"), b.o.weight.clone()));
+            let q = permute_rows(&b.q.weight.dense()?, cfg.num_heads)?;
+            tensors.push((name("attn_q"), q));
+            let k = permute_rows(&b.k.weight.dense()?, cfg.num_kv_heads)?;
+            tensors.push((name("attn_k"), k));
+            tensors.push((name("attn_v"), b.v.weight.dense()?));
+            tensors.push((name("attn_output"), b.o.weight.dense()?));
             tensors.push((name("ffn_norm"), b.mlp_norm.clone()));
-            tensors.push((name("ffn_gate"), b.gate.weight.clone()));
-            tensors.push((name("ffn_up"), b.up.weight.clone()));
-            tensors.push((name("ffn_down"), b.down.weight.clone()));
+            tensors.push((name("ffn_gate"), b.gate.weight.dense()?));
+            tensors.push((name("ffn_up"), b.up.weight.dense()?));
+            tensors.push((name("ffn_down"), b.down.weight.dense()?));
         }
         tensors.push(("output_norm.weight".into(), model.final_norm.clone()));
         if !cfg.tie_word_embeddings {
-            tensors.push(("output.weight".into(), model.lm_head.clone()));
+            tensors.push(("output.weight".into(), model.lm_head.dense()?));
         }
         Ok(GgufContents { metadata, tensors })
     }
 
     /// Write as a GGUF file with f32 tensors.
     pub fn write(&self, path: &Path) -> Result<()> {
+        self.write_as(path, GgmlDType::F32, GgmlDType::F32)
+    }
+
+    /// Write as a GGUF file as llama.cpp quantizes: the matrices of the
+    /// blocks in `linear`, the embedding and LM head in `embedding`, the
+    /// norms in f32.
+    pub fn write_as(&self, path: &Path, linear: GgmlDType, embedding: GgmlDType) -> Result<()> {
         let qtensors = self
             .tensors
             .iter()
             .map(|(n, t)| {
-                Ok((
-                    n.clone(),
-                    QTensor::quantize(&t.contiguous()?, GgmlDType::F32)?,
-                ))
+                let dtype = match t.rank() {
+                    1 => GgmlDType::F32,
+                    _ if n == "token_embd.weight" || n == "output.weight" => embedding,
+                    _ => linear,
+                };
+                Ok((n.clone(), QTensor::quantize(&t.contiguous()?, dtype)?))
             })
             .collect::<Result<Vec<_>>>()?;
         let meta: Vec<(&str, &Value)> =

@@ -10,12 +10,14 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde::Deserialize;
 
+use super::blocks::{BlockFormat, BlockMatrix, BLOCK};
 use super::chat::ChatTemplate;
 use super::config::{Arch, ModelConfig};
 use super::error::{Error, Result};
 use super::model::{Block, Linear, Llama};
 use super::tiny::TinyVocab;
 use super::tokenizer::Tokenizer;
+use super::weight::{Weight, WeightsSetting};
 
 #[derive(Deserialize)]
 struct HfConfig {
@@ -88,7 +90,7 @@ pub fn read_config(dir: &Path) -> Result<ModelConfig> {
     })
 }
 
-/// Every tensor of the checkpoint, by name, as f32.
+/// Every tensor of the checkpoint, by name, in its stored dtype.
 fn read_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
     let index = dir.join("model.safetensors.index.json");
     let files: BTreeSet<String> = if index.exists() {
@@ -107,15 +109,15 @@ fn read_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
         }
         let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
             .map_err(|e| Error::bad_file(&path, e))?;
-        for (name, t) in tensors {
-            all.insert(name, t.to_dtype(DType::F32)?);
-        }
+        all.extend(tensors);
     }
     Ok(all)
 }
 
-/// Load an HF model directory.
-pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
+/// Load an HF model directory: matrices stored in F16 or BF16 kept so under
+/// [`WeightsSetting::Native`] (when their rows are whole blocks of 32), every
+/// other tensor in f32.
+pub fn load(dir: &Path, setting: WeightsSetting) -> Result<(Llama, Tokenizer)> {
     let cfg = read_config(dir)?;
     let tok_path = dir.join("tokenizer.json");
     let inner =
@@ -125,7 +127,7 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
     let eos_ids = eos_ids(dir, &tok_config, &inner)?;
     let tokenizer = Tokenizer::from_inner(inner, chat, &eos_ids);
     let mut tensors = read_tensors(dir)?;
-    let mut take = |name: &str, shape: &[usize]| -> Result<Tensor> {
+    let mut stored = |name: &str, shape: &[usize]| -> Result<Tensor> {
         let t = tensors.remove(name).ok_or_else(|| Error::BadTensor {
             path: dir.to_path_buf(),
             name: name.to_string(),
@@ -140,21 +142,26 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
         }
         Ok(t)
     };
+    let f32 = |t: Tensor| t.to_dtype(DType::F32);
     let (h, ffn, qd, kvd) = (
         cfg.hidden_size,
         cfg.intermediate_size,
         cfg.q_dim(),
         cfg.kv_dim(),
     );
-    let embed = take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+    let weight = |name: &str, t: Tensor| as_weight(t, setting, dir, name);
+    let name = "model.embed_tokens.weight";
+    let embed = weight(name, stored(name, &[cfg.vocab_size, h])?)?;
     let mut blocks = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
         let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            let name = format!("{p}.{name}");
+            let w = format!("{name}.weight");
             Ok(Linear {
-                weight: take(&format!("{p}.{name}.weight"), &[out, inp])?,
+                weight: weight(&w, stored(&w, &[out, inp])?)?,
                 bias: if bias {
-                    Some(take(&format!("{p}.{name}.bias"), &[out])?)
+                    Some(f32(stored(&format!("{name}.bias"), &[out])?)?)
                 } else {
                     None
                 },
@@ -169,8 +176,11 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
         let up = linear("mlp.up_proj", ffn, h, false)?;
         let down = linear("mlp.down_proj", h, ffn, false)?;
         blocks.push(Block {
-            attn_norm: take(&format!("{p}.input_layernorm.weight"), &[h])?,
-            mlp_norm: take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+            attn_norm: f32(stored(&format!("{p}.input_layernorm.weight"), &[h])?)?,
+            mlp_norm: f32(stored(
+                &format!("{p}.post_attention_layernorm.weight"),
+                &[h],
+            )?)?,
             q,
             k,
             v,
@@ -180,16 +190,53 @@ pub fn load(dir: &Path) -> Result<(Llama, Tokenizer)> {
             down,
         });
     }
-    let final_norm = take("model.norm.weight", &[h])?;
+    let final_norm = f32(stored("model.norm.weight", &[h])?)?;
     let lm_head = if cfg.tie_word_embeddings {
         None
     } else {
-        Some(take("lm_head.weight", &[cfg.vocab_size, h])?)
+        let name = "lm_head.weight";
+        Some(weight(name, stored(name, &[cfg.vocab_size, h])?)?)
     };
     Ok((
         Llama::new(cfg, embed, blocks, final_norm, lm_head)?,
         tokenizer,
     ))
+}
+
+/// Matrix `t` as `setting` keeps it: in blocks when stored in F16 or BF16
+/// with rows of whole blocks under `Native`, else in f32.
+fn as_weight(t: Tensor, setting: WeightsSetting, dir: &Path, name: &str) -> Result<Weight> {
+    let format = match (setting, t.dtype()) {
+        (WeightsSetting::Native, DType::F16) => BlockFormat::F16,
+        (WeightsSetting::Native, DType::BF16) => BlockFormat::Bf16,
+        _ => return Ok(Weight::Dense(t.to_dtype(DType::F32)?)),
+    };
+    let (rows, cols) = t.dims2()?;
+    if !cols.is_multiple_of(BLOCK) {
+        return Ok(Weight::Dense(t.to_dtype(DType::F32)?));
+    }
+    // The 16-bit values' bits, little-endian, as the file holds them.
+    let bytes: Vec<u8> = match t.dtype() {
+        DType::F16 => t
+            .flatten_all()?
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+        _ => t
+            .flatten_all()?
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect(),
+    };
+    BlockMatrix::new(format, rows, cols, bytes)
+        .map(Weight::from)
+        .map_err(|reason| Error::BadTensor {
+            path: dir.to_path_buf(),
+            name: name.to_string(),
+            reason,
+        })
 }
 
 /// A JSON file of the directory, if it is there.
@@ -306,9 +353,13 @@ fn eos_ids(
     Ok(ids)
 }
 
-/// The HF tensor names and values of `model` (for writing test checkpoints).
-pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
-    let mut out = vec![("model.embed_tokens.weight".to_string(), model.embed.clone())];
+/// The HF tensor names and values of `model` (for writing test checkpoints;
+/// weights in blocks decoded to f32).
+pub fn named_tensors(model: &Llama) -> Result<Vec<(String, Tensor)>> {
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        model.embed.dense()?,
+    )];
     for (i, b) in model.blocks.iter().enumerate() {
         let p = format!("model.layers.{i}");
         out.push((format!("{p}.input_layernorm.weight"), b.attn_norm.clone()));
@@ -325,7 +376,7 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
             ("mlp.up_proj", &b.up),
             ("mlp.down_proj", &b.down),
         ] {
-            out.push((format!("{p}.{name}.weight"), lin.weight.clone()));
+            out.push((format!("{p}.{name}.weight"), lin.weight.dense()?));
             if let Some(bias) = &lin.bias {
                 out.push((format!("{p}.{name}.bias"), bias.clone()));
             }
@@ -333,9 +384,9 @@ pub fn named_tensors(model: &Llama) -> Vec<(String, Tensor)> {
     }
     out.push(("model.norm.weight".to_string(), model.final_norm.clone()));
     if !model.config.tie_word_embeddings {
-        out.push(("lm_head.weight".to_string(), model.lm_head.clone()));
+        out.push(("lm_head.weight".to_string(), model.lm_head.dense()?));
     }
-    out
+    Ok(out)
 }
 
 /// The `config.json` an HF checkpoint of a model with `cfg` holds (its
@@ -393,7 +444,7 @@ pub fn write(dir: &Path, model: &Llama, vocab: &TinyVocab, shards: usize) -> Res
     std::fs::write(&tok_config_path, tok_config.to_string())
         .map_err(Error::io(&tok_config_path))?;
 
-    let tensors = named_tensors(model);
+    let tensors = named_tensors(model)?;
     let shards = shards.max(1);
     let per_shard = tensors.len().div_ceil(shards);
     let mut weight_map = serde_json::Map::new();

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::few_rows::{self, Isa};
 
 /// The float types the kernels run in.
-pub trait Real: WithDType {
+pub trait Real: WithDType + super::native::PanelFloat {
     const ZERO: Self;
     const ONE: Self;
     /// In f32 [`exp_f32`]: +∞ above 88.3 (libm: above 88.72), 0 below -87.3.

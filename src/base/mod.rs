@@ -2,6 +2,7 @@
 //! format, the Llama-family forward with a LoRA hook and KV cache, fetching the
 //! default model into the cache, and tiny random models for tests.
 
+pub mod blocks;
 mod chat;
 mod config;
 mod decode_attention;
@@ -14,6 +15,7 @@ pub mod gguf;
 pub mod hf;
 pub(crate) mod kernels;
 mod model;
+pub mod native;
 pub(crate) mod ops;
 #[cfg(feature = "peer")]
 pub mod peer;
@@ -21,6 +23,8 @@ pub mod row_lanes;
 pub mod target;
 pub mod tiny;
 mod tokenizer;
+pub(crate) mod unpack;
+mod weight;
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +37,7 @@ pub use model::{
 };
 pub use target::Target;
 pub use tokenizer::{byte_to_char, Tokenizer};
+pub use weight::{Weight, WeightsSetting};
 
 /// A loaded base: weights, tokenizer, and where they came from.
 #[derive(Debug, Clone)]
@@ -44,13 +49,14 @@ pub struct BaseModel {
 }
 
 impl BaseModel {
-    /// Load a GGUF file or an HF model directory.
-    pub fn load(path: &Path) -> Result<BaseModel> {
+    /// Load a GGUF file or an HF model directory, its matrices kept as
+    /// `weights` says.
+    pub fn load(path: &Path, weights: WeightsSetting) -> Result<BaseModel> {
         let (source, (model, tokenizer)) = if path.is_dir() {
-            (Source::HuggingFace, hf::load(path)?)
+            (Source::HuggingFace, hf::load(path, weights)?)
         } else {
             check_gguf(path)?;
-            (Source::Gguf, gguf::load(path)?)
+            (Source::Gguf, gguf::load(path, weights)?)
         };
         Ok(BaseModel {
             model,

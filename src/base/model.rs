@@ -25,12 +25,14 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 
+use super::blocks::{BlockFormat, BlockMatrix, BLOCK};
 use super::config::ModelConfig;
 use super::decode_attention;
 use super::error::Result;
 use super::gemm;
 use super::kernels::{self, Heads};
 use super::ops::{frozen_matmul, target_logprobs};
+use super::weight::Weight;
 use super::Target;
 
 /// Added to masked attention scores. Finite so that a fully masked (padding)
@@ -104,8 +106,18 @@ pub struct BlockActivations {
 /// A frozen projection `y = x·Wᵀ + b`, `W` `[out, in]`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    pub weight: Tensor,
+    pub weight: Weight,
     pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// `W` a tensor, no bias.
+    pub fn dense(weight: Tensor) -> Linear {
+        Linear {
+            weight: Weight::Dense(weight),
+            bias: None,
+        }
+    }
 }
 
 impl Module for Linear {
@@ -151,15 +163,17 @@ impl Block {
     }
 }
 
-/// The frozen weights of a Llama-family model, in HF layout.
+/// The frozen weights of a Llama-family model, in HF layout. The matrices
+/// are [`Weight`]s (tensors, or blocks as a GGUF holds them); the norms and
+/// biases are tensors in the dtype the activations take ([`Llama::dtype`]).
 #[derive(Debug, Clone)]
 pub struct Llama {
     pub config: ModelConfig,
-    pub embed: Tensor,
+    pub embed: Weight,
     pub blocks: Vec<Block>,
     pub final_norm: Tensor,
     /// `[vocab, hidden]`; the embedding itself when tied.
-    pub lm_head: Tensor,
+    pub lm_head: Weight,
     rope_cos: Tensor,
     rope_sin: Tensor,
 }
@@ -342,13 +356,13 @@ pub enum Logits {
 impl Llama {
     pub fn new(
         config: ModelConfig,
-        embed: Tensor,
+        embed: Weight,
         blocks: Vec<Block>,
         final_norm: Tensor,
-        lm_head: Option<Tensor>,
+        lm_head: Option<Weight>,
     ) -> Result<Llama> {
         let lm_head = lm_head.unwrap_or_else(|| embed.clone());
-        let (rope_cos, rope_sin) = rope_tables(&config, embed.device())?;
+        let (rope_cos, rope_sin) = rope_tables(&config, final_norm.device())?;
         Ok(Llama {
             config,
             embed,
@@ -360,21 +374,71 @@ impl Llama {
         })
     }
 
-    /// The same model with every weight in `dtype` (f64 for gradient checks).
+    /// The same model with every tensor in `dtype` (f64 for gradient
+    /// checks); weights in blocks stay blocks, and the activations then take
+    /// `dtype`.
     pub fn to_dtype(&self, dtype: DType) -> Result<Llama> {
-        self.map_weights(|t| t.to_dtype(dtype))
+        self.map_weights(|t| t.to_dtype(dtype), false)
     }
 
-    /// The same model with every weight on `device` (a GPU for the CUDA broker).
+    /// The same model with every weight on `device` (a GPU for the CUDA
+    /// broker): weights in blocks go as f32 tensors.
     pub fn to_device(&self, device: &Device) -> Result<Llama> {
-        self.map_weights(|t| t.to_device(device))
+        self.map_weights(|t| t.to_device(device), !device.is_cpu())
     }
 
-    /// Every weight through `f`; a tied head stays tied (one copy).
-    fn map_weights(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Llama> {
-        let linear = |l: &Linear| -> candle_core::Result<Linear> {
+    /// The same model with every matrix an f32 tensor: the values of its
+    /// blocks (what `[model] weights = "f32"` loads).
+    pub fn dequantized(&self) -> Result<Llama> {
+        self.map_weights(|t| Ok(t.clone()), true)
+    }
+
+    /// The same model with its matrices quantized by candle, as llama.cpp
+    /// quantizes a GGUF: the blocks' projections to `linear`, the embedding
+    /// and LM head to `embedding` (matrices whose rows are not whole blocks
+    /// stay as they are). For tests and speed measurements of random models;
+    /// a loaded GGUF keeps the file's own blocks.
+    pub fn quantized(&self, linear: BlockFormat, embedding: BlockFormat) -> Result<Llama> {
+        let quantize = |w: &Weight, format: BlockFormat| -> Result<Weight> {
+            let t = w.dense()?.to_dtype(DType::F32)?;
+            if !t.dim(1)?.is_multiple_of(BLOCK) {
+                return Ok(w.clone());
+            }
+            Ok(BlockMatrix::quantize(&t, format)?.into())
+        };
+        let mut model = self.clone();
+        for block in &mut model.blocks {
+            for l in [
+                &mut block.q,
+                &mut block.k,
+                &mut block.v,
+                &mut block.o,
+                &mut block.gate,
+                &mut block.up,
+                &mut block.down,
+            ] {
+                l.weight = quantize(&l.weight, linear)?;
+            }
+        }
+        model.embed = quantize(&self.embed, embedding)?;
+        model.lm_head = if self.lm_head.same(&self.embed) {
+            model.embed.clone()
+        } else {
+            quantize(&self.lm_head, embedding)?
+        };
+        Ok(model)
+    }
+
+    /// Every tensor through `f`, blocks too when `dense_blocks` (decoded to
+    /// f32 first); a tied head stays tied (one copy).
+    fn map_weights(
+        &self,
+        f: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+        dense_blocks: bool,
+    ) -> Result<Llama> {
+        let linear = |l: &Linear| -> Result<Linear> {
             Ok(Linear {
-                weight: f(&l.weight)?,
+                weight: l.weight.map(&f, dense_blocks)?,
                 bias: l.bias.as_ref().map(&f).transpose()?,
             })
         };
@@ -394,12 +458,12 @@ impl Llama {
                     down: linear(&b.down)?,
                 })
             })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let embed = f(&self.embed)?;
-        let lm_head = if self.lm_head.id() == self.embed.id() {
+            .collect::<Result<Vec<_>>>()?;
+        let embed = self.embed.map(&f, dense_blocks)?;
+        let lm_head = if self.lm_head.same(&self.embed) {
             embed.clone()
         } else {
-            f(&self.lm_head)?
+            self.lm_head.map(&f, dense_blocks)?
         };
         Ok(Llama {
             config: self.config.clone(),
@@ -413,14 +477,45 @@ impl Llama {
     }
 
     pub fn device(&self) -> &Device {
-        self.embed.device()
+        self.final_norm.device()
+    }
+
+    /// The activations' dtype: the norms' (f32, or f64 for gradient checks).
+    pub fn dtype(&self) -> DType {
+        self.final_norm.dtype()
     }
 
     /// Look up token embeddings: `[rows, tokens]` u32 → `[rows, tokens, hidden]`.
     pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
         let (rows, n) = tokens.dims2()?;
-        let flat = self.embed.index_select(&tokens.flatten_all()?, 0)?;
+        let flat = self.embed.rows(&tokens.flatten_all()?, self.dtype())?;
         Ok(flat.reshape((rows, n, self.config.hidden_size))?)
+    }
+
+    /// Bytes the frozen weights hold: every matrix (a tied head once), the
+    /// norms and biases.
+    pub fn resident_bytes(&self) -> usize {
+        let tensor = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let head = if self.lm_head.same(&self.embed) {
+            0
+        } else {
+            self.lm_head.resident_bytes()
+        };
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .map(|b| {
+                let linears: usize = Target::ALL
+                    .iter()
+                    .map(|&t| {
+                        let l = b.linear(t);
+                        l.weight.resident_bytes() + l.bias.as_ref().map_or(0, tensor)
+                    })
+                    .sum();
+                linears + tensor(&b.attn_norm) + tensor(&b.mlp_norm)
+            })
+            .sum();
+        self.embed.resident_bytes() + head + blocks + tensor(&self.final_norm)
     }
 
     /// Logits for `tokens` (`[rows, new]`), continuing `cache` when given.

@@ -32,8 +32,8 @@ impl CandleLlama {
         let config: llama::LlamaConfig = serde_json::from_value(hf::config_json(&model.config))
             .map_err(|e| Error::Peer(format!("it cannot read our config.json: {e}")))?;
         let config = config.into_config(false);
-        let device = model.embed.device().clone();
-        let tensors: HashMap<String, Tensor> = hf::named_tensors(model).into_iter().collect();
+        let device = model.device().clone();
+        let tensors: HashMap<String, Tensor> = hf::named_tensors(model)?.into_iter().collect();
         let vb = VarBuilder::from_tensors(tensors, DType::F32, &device);
         Ok(CandleLlama {
             model: llama::Llama::load(vb, &config)?,

@@ -15,13 +15,19 @@
 //! rows around it, so a row gets the same bits in any batch this kernel
 //! serves. That order differs from the few-row kernel's, so a row's last bits
 //! can change when its batch crosses [`super::few_rows::MAX_ROWS`].
+//!
+//! Weights kept in blocks ([`super::blocks`]) are unpacked one tile of rows at
+//! a time into a buffer that stays in cache ([`Weights::Blocks`]); the sums
+//! are then those of the same values in f32, bit for bit.
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::few_rows::{check_product, Isa, Lanes, Scalar};
+use super::blocks::{BlockMatrix, BLOCK};
+use super::few_rows::{check_product, Isa, Scalar};
 use super::gemm::Out;
+use super::unpack::Decode;
 
 /// Most rows served here (default 32); taller inputs go to gemm.
 pub const MAX_ROWS: usize = 32;
@@ -44,18 +50,37 @@ const TILE_ALIGN: usize = 24;
 /// `x·Wᵀ` for row-major `x` `[m, k]` and `w` `[n, k]`: row-major `[m, n]`,
 /// spread over rayon's threads.
 pub fn matmul_t(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Result<Vec<f32>, String> {
-    matmul_t_with(Isa::best(), x, w, m, k, n)
+    matmul_t_with(Isa::best(), x, Weights::F32(w), m, k, n)
+}
+
+/// The weight rows `[n, k]` a product reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Weights<'a> {
+    F32(&'a [f32]),
+    Blocks(&'a BlockMatrix),
 }
 
 pub(crate) fn matmul_t_with(
     isa: Isa,
     x: &[f32],
-    w: &[f32],
+    w: Weights,
     m: usize,
     k: usize,
     n: usize,
 ) -> Result<Vec<f32>, String> {
-    check_product("row-lanes matmul", isa, x, w, m, k, n)?;
+    match w {
+        Weights::F32(w) => check_product("row-lanes matmul", isa, x, w, m, k, n)?,
+        Weights::Blocks(b) => {
+            if (b.rows(), b.cols()) != (n, k) {
+                return Err(format!(
+                    "row-lanes matmul: W is [{}, {}], not [{n}, {k}]",
+                    b.rows(),
+                    b.cols()
+                ));
+            }
+            check_product("row-lanes matmul", isa, x, &[], m, k, 0)?;
+        }
+    }
     let mut y = vec![0f32; m * n];
     if m == 0 || n == 0 || k == 0 {
         return Ok(y);
@@ -71,6 +96,39 @@ pub(crate) fn matmul_t_with(
         unsafe { run(isa, &rows, w, k, n, cols, out) }
     });
     Ok(y)
+}
+
+thread_local! {
+    /// The tile of weight rows unpacked from blocks, per thread.
+    static UNPACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Weight rows `j..j + count` as `[count, k]` f32 values: in place for f32
+/// weights, else unpacked into `buffer`.
+///
+/// # Safety
+/// The rows lie inside `w`, whose rows are `k` long; the CPU runs `S`.
+#[inline(always)]
+unsafe fn weight_rows<S: Decode>(
+    w: Weights,
+    j: usize,
+    count: usize,
+    k: usize,
+    buffer: &mut Vec<f32>,
+) -> *const f32 {
+    match w {
+        Weights::F32(w) => w.as_ptr().add(j * k),
+        Weights::Blocks(b) => {
+            buffer.resize(count * k, 0.0);
+            S::decode_blocks(
+                b.format(),
+                b.row(j).as_ptr(),
+                count * k / BLOCK,
+                buffer.as_mut_ptr(),
+            );
+            buffer.as_ptr()
+        }
+    }
 }
 
 /// The rows of `x`, transposed in groups: group `g` is `[k][stride]` and
@@ -128,7 +186,7 @@ impl RowGroups {
 unsafe fn run(
     isa: Isa,
     rows: &RowGroups,
-    w: &[f32],
+    w: Weights,
     k: usize,
     n: usize,
     cols: Range<usize>,
@@ -151,10 +209,10 @@ unsafe fn run(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
+#[target_feature(enable = "avx512f,fma,f16c")]
 unsafe fn avx512<const G: usize, const NR: usize>(
     rows: &RowGroups,
-    w: &[f32],
+    w: Weights,
     k: usize,
     n: usize,
     cols: Range<usize>,
@@ -164,10 +222,10 @@ unsafe fn avx512<const G: usize, const NR: usize>(
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn avx2<const G: usize, const NR: usize>(
     rows: &RowGroups,
-    w: &[f32],
+    w: Weights,
     k: usize,
     n: usize,
     cols: Range<usize>,
@@ -184,9 +242,9 @@ unsafe fn avx2<const G: usize, const NR: usize>(
 /// `k > 0`; `w` holds `n` rows of `k`; `cols` lies inside `0..n`; `y` is
 /// `[rows.m, n]` and nobody else touches its columns `cols`; the CPU runs `S`.
 #[inline(always)]
-unsafe fn tiles<S: Lanes, const G: usize, const NR: usize>(
+unsafe fn tiles<S: Decode, const G: usize, const NR: usize>(
     rows: &RowGroups,
-    w: &[f32],
+    w: Weights,
     k: usize,
     n: usize,
     cols: Range<usize>,
@@ -194,19 +252,25 @@ unsafe fn tiles<S: Lanes, const G: usize, const NR: usize>(
 ) {
     // The row groups' layout is what keeps `tile`'s reads in bounds: checked
     // once per task, not only in debug builds.
-    assert!(rows.stride == G * S::WIDTH && rows.k == k && w.len() == n * k && cols.end <= n);
-    let end = cols.end;
-    let mut j = cols.start;
-    while j < end {
-        let w = w.as_ptr().add(j * k);
-        j += match end - j {
-            left if left >= NR => every_group::<S, G, NR>(rows, w, n, j, y),
-            8.. => every_group::<S, G, 8>(rows, w, n, j, y),
-            4.. => every_group::<S, G, 4>(rows, w, n, j, y),
-            2.. => every_group::<S, G, 2>(rows, w, n, j, y),
-            _ => every_group::<S, G, 1>(rows, w, n, j, y),
-        };
-    }
+    let w_rows = match w {
+        Weights::F32(w) => w.len() / k.max(1),
+        Weights::Blocks(b) => b.rows(),
+    };
+    assert!(rows.stride == G * S::WIDTH && rows.k == k && w_rows == n && cols.end <= n);
+    UNPACKED.with_borrow_mut(|buffer| {
+        let end = cols.end;
+        let mut j = cols.start;
+        while j < end {
+            let mut at = |count| weight_rows::<S>(w, j, count, k, buffer);
+            j += match end - j {
+                left if left >= NR => every_group::<S, G, NR>(rows, at(NR), n, j, y),
+                8.. => every_group::<S, G, 8>(rows, at(8), n, j, y),
+                4.. => every_group::<S, G, 4>(rows, at(4), n, j, y),
+                2.. => every_group::<S, G, 2>(rows, at(2), n, j, y),
+                _ => every_group::<S, G, 1>(rows, at(1), n, j, y),
+            };
+        }
+    })
 }
 
 /// Columns `j..j + NR` (weight rows `w[0..NR]`) of every row group. Returns `NR`.
@@ -215,7 +279,7 @@ unsafe fn tiles<S: Lanes, const G: usize, const NR: usize>(
 /// As for [`tiles`]; `w` points at weight row `j` of `[n, k]`, and
 /// `j + NR` lies inside `tiles`' `cols`.
 #[inline(always)]
-unsafe fn every_group<S: Lanes, const G: usize, const NR: usize>(
+unsafe fn every_group<S: Decode, const G: usize, const NR: usize>(
     rows: &RowGroups,
     w: *const f32,
     n: usize,
@@ -237,7 +301,7 @@ unsafe fn every_group<S: Lanes, const G: usize, const NR: usize>(
 /// `rows ≤ G · S::WIDTH`, `y` has `rows` rows of stride `n` whose first `NR`
 /// columns only this call writes, and the CPU runs `S`.
 #[inline(always)]
-unsafe fn tile<S: Lanes, const G: usize, const NR: usize>(
+unsafe fn tile<S: Decode, const G: usize, const NR: usize>(
     xt: *const f32,
     w: *const f32,
     k: usize,
@@ -303,11 +367,11 @@ mod tests {
         for isa in Isa::available() {
             for &(m, k, n) in &cases {
                 let (x, w) = (values(m * k, 1), values(n * k, 2));
-                let y = matmul_t_with(isa, &x, &w, m, k, n).unwrap();
+                let y = matmul_t_with(isa, &x, Weights::F32(&w), m, k, n).unwrap();
                 assert_matches_reference(&format!("{isa:?}"), &x, &w, &y, k);
                 for r in 0..m {
                     let row = &x[r * k..(r + 1) * k];
-                    let alone = matmul_t_with(isa, row, &w, 1, k, n).unwrap();
+                    let alone = matmul_t_with(isa, row, Weights::F32(&w), 1, k, n).unwrap();
                     assert_eq!(alone, y[r * n..(r + 1) * n], "{isa:?} {m}x{k}x{n} row {r}");
                 }
             }

@@ -177,7 +177,7 @@ pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
     let linear = |rng: &mut _, out: usize, inp: usize, bias: bool| -> Result<Linear> {
         let scale = 1.0 / (inp as f32).sqrt();
         Ok(Linear {
-            weight: uniform(rng, &[out, inp], scale * 1.5, 0.0)?,
+            weight: uniform(rng, &[out, inp], scale * 1.5, 0.0)?.into(),
             bias: if bias {
                 Some(uniform(rng, &[out], 0.1, 0.0)?)
             } else {
@@ -185,7 +185,7 @@ pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
             },
         })
     };
-    let embed = uniform(&mut rng, &[config.vocab_size, h], 1.0, 0.0)?;
+    let embed = uniform(&mut rng, &[config.vocab_size, h], 1.0, 0.0)?.into();
     let bias = config.attention_bias();
     let mut blocks = Vec::new();
     for _ in 0..config.num_layers {
@@ -205,7 +205,7 @@ pub fn build(spec: &TinySpec) -> Result<(Llama, TinyVocab)> {
     let lm_head = if spec.tied {
         None
     } else {
-        Some(uniform(&mut rng, &[config.vocab_size, h], 0.5, 0.0)?)
+        Some(uniform(&mut rng, &[config.vocab_size, h], 0.5, 0.0)?.into())
     };
     Ok((
         Llama::new(config, embed, blocks, final_norm, lm_head)?,

@@ -23,6 +23,7 @@ use super::row_adapters::{AdapterId, RowAdapters};
 use super::tape::{Pass, Tape, HEAD_CHUNK_ROWS};
 use super::Result;
 use crate::base::kernels::{mask_out, Policy};
+use crate::base::ops;
 use crate::base::{rms_norm, BlockActivations, Llama, Target};
 use crate::lora::{AdapterGrads, ModuleKey};
 
@@ -79,7 +80,7 @@ fn head_chunk(
         Ok(Tensor::from_vec(values, (len, 1), device)?.to_dtype(dtype)?)
     };
     let inv_temperature = column(policies.iter().map(|p| p.inv_temperature).collect())?;
-    let mut z = normed.matmul(&model.lm_head.t()?)?;
+    let mut z = ops::matmul_t_generic(normed, &model.lm_head)?;
     z = z.broadcast_mul(&inv_temperature)?;
     if let Some(allowed) = allowed(policies, z.dim(1)?, device)? {
         let forbidden = Tensor::new(f32::NEG_INFINITY, device)?.to_dtype(dtype)?;
@@ -107,7 +108,7 @@ fn head_chunk(
     z = z.broadcast_mul(&g.neg()?)?;
     z = z.scatter_add(&target_index, &g, 1)?;
     z = z.broadcast_mul(&inv_temperature)?;
-    Ok((logps, z.matmul(&model.lm_head)?))
+    Ok((logps, ops::matmul_generic(&z, &model.lm_head)?))
 }
 
 /// `[len, vocab]` u8, 1 where each target's grammar allows the token (every
@@ -162,7 +163,7 @@ impl Pass<'_> {
         // `dy`, the frozen part and the LoRA part; the factor gradients go
         // to `grads`.
         let mut back = |target: Target, x: &Tensor, dy: &Tensor| -> Result<Tensor> {
-            let dx = dy.matmul(&block.linear(target).weight)?;
+            let dx = ops::matmul_generic(dy, &block.linear(target).weight)?;
             let key = ModuleKey { layer, target };
             match self
                 .lora

@@ -30,8 +30,9 @@ use candle_core::Tensor;
 
 use super::row_adapters::{AdapterId, RowAdapters};
 use super::Result;
-use crate::base::gemm::{self, Threads};
+use crate::base::gemm;
 use crate::base::kernels::{self, Heads, Policy, Real};
+use crate::base::ops;
 use crate::base::{BlockActivations, BlockContext, Llama, Positions, Target};
 use crate::lora::{AdapterGrads, ModuleKey};
 
@@ -94,8 +95,7 @@ pub fn head<T: Real>(
     for start in (0..targets.len()).step_by(HEAD_CHUNK_ROWS) {
         let len = HEAD_CHUNK_ROWS.min(targets.len() - start);
         let rows = normed.narrow(0, start, len)?;
-        let shape =
-            gemm::write_product::<T>(&mut logits, &rows, &model.lm_head.t()?, Threads::All)?;
+        let shape = ops::write_matmul_t::<T>(&mut logits, &rows, &model.lm_head)?;
         let (_, vocab) = shape.dims2()?;
         let lp = kernels::target_logprob_grad::<T>(
             &mut logits,
@@ -105,7 +105,7 @@ pub fn head<T: Real>(
             |i, lp| dloss(start + i, lp),
         )?;
         logps.extend(lp);
-        let d_rows = gemm::slice_product(&logits, (len, vocab), &model.lm_head, Threads::All)?;
+        let d_rows = ops::slice_input_grad(&logits, (len, vocab), &model.lm_head)?;
         d_normed.push(gemm::tensor(d_rows)?);
     }
     if d_normed.is_empty() {
@@ -234,14 +234,7 @@ impl Pass<'_> {
                         dy: &Tensor,
                         into: Option<Values<T>>|
          -> Result<Values<T>> {
-            let w = &block.linear(target).weight;
-            let (mut dx, shape) = match into {
-                None => gemm::product_values::<T>(dy, w, Threads::All)?,
-                Some((mut dx, shape)) => {
-                    gemm::add_product(&mut dx, dy, w, Threads::All)?;
-                    (dx, shape)
-                }
-            };
+            let (mut dx, shape) = ops::input_grad::<T>(into, dy, &block.linear(target).weight)?;
             let key = ModuleKey { layer, target };
             self.lora
                 .factor_grads(key, x, &s.lora[&target], dy, Some(&mut dx), grads)?;

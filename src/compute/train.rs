@@ -708,7 +708,7 @@ impl MicroBatch<'_> {
         };
         let (index, targets) = (&layout.index, &layout.targets);
         match backward {
-            Backward::Tape => with_real!(model.embed.dtype(), T => {
+            Backward::Tape => with_real!(model.dtype(), T => {
                 let (logps, top_grad) =
                     tape::head::<T>(model, &top, index, targets, &policies, dloss)?;
                 tape::backward::<T>(model, &lora, tape, top_grad, grads)?;

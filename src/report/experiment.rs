@@ -452,7 +452,7 @@ fn trained_lines(s: &SeedRuns) -> Vec<(&'static str, String)> {
         .map(|(label, t)| {
             let [steps, rollouts, nonzero, per_adapter, buffer] = trained_cells(t);
             let text = format!(
-                "{steps} steps, {rollouts} rollouts, {nonzero} with a non-zero advantage, {per_adapter} optimizer steps per adapter, solver rollouts on buffer problems {buffer}"
+                "{steps} steps, {rollouts} rollouts, {nonzero} with a non-zero advantage, optimizer steps per adapter {per_adapter}, solver rollouts on buffer problems {buffer}"
             );
             (label, text)
         })

@@ -26,7 +26,7 @@ pub use error::{ErrorKind, ScenarioError};
 use serde::{Deserialize, Serialize, Serializer};
 use source_map::SourceMap;
 
-pub use crate::base::Target;
+pub use crate::base::{Target, WeightsSetting};
 pub use crate::task::TaskKind;
 use std::path::{Path, PathBuf};
 
@@ -104,6 +104,19 @@ pub struct ModelSection {
     /// `"cpu"`, `"cuda"` or `"cuda:N"` (a build with the `cuda` feature; the
     /// train step then runs its generic backward on the device). Default: `"cpu"`.
     pub device: String,
+    /// How the base keeps its frozen matrices. `"native"`: as the GGUF file
+    /// holds them (Q4_1, Q8_0, F16 and BF16 in their blocks, about a fifth of
+    /// f32's bytes for SmolLM2), unpacked in registers by the kernels; other
+    /// types (K-quants and the rest) dequantized to f32 at load. `"f32"`:
+    /// everything dequantized to f32 at load. Both use the same weight values;
+    /// only the order of the sums differs, so logits can differ in their last
+    /// bits and a near-tie can decode differently. With `source = "tiny"`
+    /// (built in f32) both mean f32; an HF directory's F16/BF16 matrices stay
+    /// 16-bit under `"native"` (F32 ones stay f32); with `device = "cuda"`
+    /// the base is f32 on the device either way. A recorded `scenario.toml`
+    /// without this key (a run older than it) means `"f32"`, so `replay` and
+    /// `resume` reproduce it. Default: `"native"`.
+    pub weights: WeightsSetting,
 }
 
 impl Default for ModelSection {
@@ -112,6 +125,7 @@ impl Default for ModelSection {
             source: ModelSource::Default,
             tiny: None,
             device: "cpu".into(),
+            weights: WeightsSetting::Native,
         }
     }
 }
@@ -760,6 +774,29 @@ impl Scenario {
         let path = path.as_ref();
         let text = read_file(path, "scenario")?;
         Scenario::parse(&text, &path.display().to_string(), check_operator)
+    }
+
+    /// Reads a run's recorded (resolved) `scenario.toml`, as
+    /// [`Scenario::from_file`] does, except that a key added after the run was
+    /// recorded takes the value that reproduces the run rather than today's
+    /// default: `model.weights` absent means `"f32"`.
+    pub fn from_recorded_file(
+        path: impl AsRef<Path>,
+        check_operator: impl Fn(&str) -> Result<(), String>,
+    ) -> Result<Scenario, ScenarioError> {
+        let path = path.as_ref();
+        let text = read_file(path, "scenario")?;
+        let mut scenario = Scenario::parse(&text, &path.display().to_string(), check_operator)?;
+        let table = text.parse::<toml::Table>().ok();
+        let weights_given = table
+            .as_ref()
+            .and_then(|t| t.get("model"))
+            .and_then(|m| m.get("weights"))
+            .is_some();
+        if !weights_given {
+            scenario.model.weights = WeightsSetting::F32;
+        }
+        Ok(scenario)
     }
 
     /// Parses and validates scenario text. `origin` names the text in errors (normally

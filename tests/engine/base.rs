@@ -4,9 +4,11 @@
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
+use populora::base::blocks::BlockFormat;
 use populora::base::tiny::{self, TinySpec};
 use populora::base::{
-    gguf, hf, Arch, BaseModel, KvCache, Llama, Logits, Message, NoLora, Positions,
+    gguf, hf, Arch, BaseModel, KvCache, Llama, Logits, Message, NoLora, Positions, Target,
+    WeightsSetting,
 };
 
 fn tmpdir(name: &str) -> std::path::PathBuf {
@@ -51,12 +53,12 @@ fn gguf_round_trip_undoes_the_qk_permutation() {
     let dir = tmpdir("gguf-rt");
     let path = dir.join("tiny.gguf");
     vocab.write_gguf(&path, &model).unwrap();
-    let loaded = BaseModel::load(&path).unwrap();
+    let loaded = BaseModel::load(&path, WeightsSetting::F32).unwrap();
     assert_eq!(loaded.config(), &model.config);
     let d = max_abs_diff(&logits(&model, &TOKENS), &logits(&loaded.model, &TOKENS));
     assert!(d < 1e-5, "GGUF round trip changed logits by {d}");
     // The permutation is real: loading without undoing it would give other logits.
-    let q = &model.blocks[0].q.weight;
+    let q = &model.blocks[0].q.weight.dense().unwrap();
     let permuted = gguf::permute_rows(q, model.config.num_heads).unwrap();
     assert!(max_abs_diff(q, &permuted) > 1e-3);
     assert!(
@@ -78,7 +80,7 @@ fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
     let (model, vocab) = tiny::build(&spec).unwrap();
     let dir = tmpdir("hf-llama");
     hf::write(&dir, &model, &vocab, 2).unwrap();
-    let ours = BaseModel::load(&dir).unwrap();
+    let ours = BaseModel::load(&dir, WeightsSetting::F32).unwrap();
     assert!(
         dir.join("model.safetensors.index.json").exists(),
         "sharded checkpoint"
@@ -103,7 +105,7 @@ fn hf_llama_matches_candle_transformers_and_the_same_weights_as_gguf() {
 
     let gguf_path = dir.join("same.gguf");
     vocab.write_gguf(&gguf_path, &model).unwrap();
-    let from_gguf = BaseModel::load(&gguf_path).unwrap();
+    let from_gguf = BaseModel::load(&gguf_path, WeightsSetting::F32).unwrap();
     let d = max_abs_diff(
         &logits(&from_gguf.model, &TOKENS),
         &logits(&ours.model, &TOKENS),
@@ -123,7 +125,7 @@ fn hf_qwen2_with_biases_matches_candle_transformers() {
     assert!(model.blocks[0].q.bias.is_some());
     let dir = tmpdir("hf-qwen2");
     hf::write(&dir, &model, &vocab, 1).unwrap();
-    let ours = BaseModel::load(&dir).unwrap();
+    let ours = BaseModel::load(&dir, WeightsSetting::F32).unwrap();
 
     let cfg: peer::Config =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
@@ -194,7 +196,7 @@ fn tiny_gguf_contents() -> (Llama, gguf::GgufContents) {
 }
 
 fn load_error(path: &std::path::Path) -> String {
-    match BaseModel::load(path) {
+    match BaseModel::load(path, WeightsSetting::Native) {
         Ok(_) => panic!("{} loaded but should not", path.display()),
         Err(e) => e.to_string(),
     }
@@ -298,8 +300,12 @@ fn chat_template_and_stop_tokens_come_from_the_model_files() {
     assert_eq!(vocab.text(im_end), "<|im_end|>");
     for tokenizer in [
         vocab.tokenizer().unwrap(),
-        BaseModel::load(&gguf_path).unwrap().tokenizer,
-        BaseModel::load(&hf_dir).unwrap().tokenizer,
+        BaseModel::load(&gguf_path, WeightsSetting::F32)
+            .unwrap()
+            .tokenizer,
+        BaseModel::load(&hf_dir, WeightsSetting::F32)
+            .unwrap()
+            .tokenizer,
     ] {
         let rendered = tokenizer.chat.render(&system_and_user()).unwrap();
         assert_eq!(rendered, TINY_SYSTEM_AND_USER);
@@ -322,7 +328,9 @@ fn chat_template_and_stop_tokens_come_from_the_model_files() {
     }
     let path = dir.join("other.gguf");
     other.write(&path).unwrap();
-    let tokenizer = BaseModel::load(&path).unwrap().tokenizer;
+    let tokenizer = BaseModel::load(&path, WeightsSetting::F32)
+        .unwrap()
+        .tokenizer;
     assert_eq!(
         tokenizer.chat.render(&system_and_user()).unwrap(),
         "[system] S <|endoftext|>\n[user] U <|endoftext|>\n[assistant]"
@@ -377,7 +385,7 @@ fn hf_chat_template_and_eos_follow_transformers() {
         std::fs::write(&tok_config, json.to_string()).unwrap();
     };
     let render = || {
-        let base = BaseModel::load(&dir).unwrap();
+        let base = BaseModel::load(&dir, WeightsSetting::F32).unwrap();
         (
             base.tokenizer.chat.render(&system_and_user()).unwrap(),
             base.tokenizer.stop_ids,
@@ -434,4 +442,117 @@ fn hf_chat_template_and_eos_follow_transformers() {
         e.contains("hf-chat: the model declares no end-of-sequence token"),
         "{e}"
     );
+}
+
+/// A tiny model whose every matrix has rows of whole blocks (input widths
+/// multiples of 32), so it can be kept in blocks.
+fn blocky_spec() -> TinySpec {
+    TinySpec {
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 96,
+        ..TinySpec::default()
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// Under `weights = "native"` each matrix of `native` is in blocks of
+/// `linear` / `embedding` with exactly the values `f32` holds (q and k rows
+/// un-permuted alike); both give the same logits within f32 summation
+/// error, with sequences long enough for each kernel (few rows, row lanes,
+/// panels).
+fn assert_native_holds_the_f32_values(
+    native: &Llama,
+    f32: &Llama,
+    linear: BlockFormat,
+    embedding: BlockFormat,
+) {
+    for (n, f) in native.blocks.iter().zip(&f32.blocks) {
+        for target in Target::ALL {
+            let (n, f) = (&n.linear(target).weight, &f.linear(target).weight);
+            assert_eq!(n.blocks().map(|b| b.format()), Some(linear), "{target}");
+            assert!(f.blocks().is_none());
+            assert_eq!(
+                bits(&n.dense().unwrap()),
+                bits(&f.dense().unwrap()),
+                "{target}"
+            );
+        }
+    }
+    assert_eq!(native.embed.blocks().map(|b| b.format()), Some(embedding));
+    assert_eq!(
+        bits(&native.embed.dense().unwrap()),
+        bits(&f32.embed.dense().unwrap())
+    );
+    assert_eq!(
+        native.lm_head.same(&native.embed),
+        f32.lm_head.same(&f32.embed)
+    );
+    for len in [7, 20, 40] {
+        let tokens: Vec<u32> = (0..len).map(|i| (i * 37 + 5) % 300).collect();
+        let (a, b) = (logits(native, &tokens), logits(f32, &tokens));
+        let d = max_abs_diff(&a, &b);
+        assert!(d < 1e-4, "{len} tokens: logits differ by {d}");
+    }
+}
+
+/// A GGUF quantized as llama.cpp quantizes (Q4_1 projections, Q8_0
+/// embedding; or 16-bit floats) stays in its blocks under `native`, at a
+/// fraction of f32's bytes, with the values `f32` loads.
+#[test]
+fn a_quantized_gguf_keeps_its_blocks_with_the_values_f32_loads() {
+    use candle_core::quantized::GgmlDType;
+    let (model, vocab) = tiny::build(&blocky_spec()).unwrap();
+    let dir = tmpdir("gguf-blocks");
+    for (linear, embedding, fraction) in [
+        (BlockFormat::Q4_1, BlockFormat::Q8_0, 0.3),
+        (BlockFormat::F16, BlockFormat::Bf16, 0.51),
+    ] {
+        let path = dir.join(format!("{linear:?}.gguf"));
+        gguf::GgufContents::of(&model, &vocab)
+            .unwrap()
+            .write_as(&path, linear.ggml(), embedding.ggml())
+            .unwrap();
+        let native = BaseModel::load(&path, WeightsSetting::Native).unwrap();
+        let f32 = BaseModel::load(&path, WeightsSetting::F32).unwrap();
+        assert_native_holds_the_f32_values(&native.model, &f32.model, linear, embedding);
+        let (n, f) = (native.model.resident_bytes(), f32.model.resident_bytes());
+        assert!(
+            (n as f64) < fraction * f as f64,
+            "{linear:?}: {n} of {f} bytes"
+        );
+        // Types without a kernel (here f32) load as before under `native`.
+        let plain = dir.join("f32.gguf");
+        gguf::GgufContents::of(&model, &vocab)
+            .unwrap()
+            .write_as(&plain, GgmlDType::F32, GgmlDType::F32)
+            .unwrap();
+        let loaded = BaseModel::load(&plain, WeightsSetting::Native).unwrap();
+        assert!(loaded.model.blocks[0].q.weight.blocks().is_none());
+    }
+}
+
+/// An HF checkpoint stored in bf16 keeps its matrices in bf16 under
+/// `native`, the norms in f32.
+#[test]
+fn an_hf_checkpoint_in_bf16_stays_16_bit_under_native() {
+    let (model, vocab) = tiny::build(&blocky_spec()).unwrap();
+    let dir = tmpdir("hf-bf16");
+    hf::write(&dir, &model.to_dtype(DType::BF16).unwrap(), &vocab, 1).unwrap();
+    let native = BaseModel::load(&dir, WeightsSetting::Native).unwrap().model;
+    let f32 = BaseModel::load(&dir, WeightsSetting::F32).unwrap().model;
+    assert_eq!(native.final_norm.dtype(), DType::F32);
+    assert_native_holds_the_f32_values(&native, &f32, BlockFormat::Bf16, BlockFormat::Bf16);
 }

@@ -4,6 +4,7 @@
 //! loss reach every LoRA factor of every adapter (finite differences in f64).
 
 use candle_core::{DType, Device, Tensor, Var};
+use populora::base::blocks::BlockFormat;
 use populora::base::tiny::{self, TinySpec};
 use populora::base::Target;
 use populora::base::{Llama, Positions};
@@ -18,6 +19,23 @@ use rand::Rng;
 
 fn tiny_model() -> Llama {
     tiny::build(&TinySpec::default()).unwrap().0
+}
+
+/// A tiny model kept in blocks as the default GGUF is (Q4_1 projections,
+/// Q8_0 embedding and tied head): every input width a multiple of 32.
+fn native_tiny_model() -> Llama {
+    let spec = TinySpec {
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 96,
+        ..TinySpec::default()
+    };
+    tiny::build(&spec)
+        .unwrap()
+        .0
+        .quantized(BlockFormat::Q4_1, BlockFormat::Q8_0)
+        .unwrap()
 }
 
 /// An adapter with random (non-zero) A and B, in `dtype`.
@@ -115,8 +133,14 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
 fn the_train_steps_forward_equals_the_inference_forward() {
     // Saving activations sends every LoRA projection through its segments
     // one by one (keeping `x·Aᵀ`); inference takes the masked concatenated
-    // GEMMs. Both must compute the same function.
-    let model = tiny_model();
+    // GEMMs. Both must compute the same function, with weights in f32 and
+    // in blocks.
+    for model in [tiny_model(), native_tiny_model()] {
+        train_forward_equals_inference_forward(&model);
+    }
+}
+
+fn train_forward_equals_inference_forward(model: &Llama) {
     let (a, b) = (
         random_adapter(&model, 1, DType::F32),
         random_adapter(&model, 2, DType::F32),
@@ -200,7 +224,17 @@ fn request(adapter: Option<u64>, prompt: Vec<u32>, sampling: Sampling, seed: u64
 
 #[test]
 fn generation_of_a_row_does_not_depend_on_its_batch() {
-    let model = tiny_model();
+    row_generation_does_not_depend_on_its_batch(&tiny_model());
+}
+
+/// The same under `weights = "native"`: a row gets the same bits alone and
+/// in a batch from the native kernels too.
+#[test]
+fn generation_of_a_row_does_not_depend_on_its_batch_with_weights_in_blocks() {
+    row_generation_does_not_depend_on_its_batch(&native_tiny_model());
+}
+
+fn row_generation_does_not_depend_on_its_batch(model: &Llama) {
     let adapters: Vec<Adapter> = (0..2)
         .map(|s| random_adapter(&model, 10 + s, DType::F32))
         .collect();
@@ -418,6 +452,16 @@ fn check_train_step_against_finite_differences(
         ..TinySpec::default()
     };
     let model = tiny::build(&spec).unwrap().0.to_dtype(DType::F64).unwrap();
+    check_finite_differences_on(&model, share, micro_batch_tokens, backward);
+}
+
+/// The check above on `model` (in f64).
+fn check_finite_differences_on(
+    model: &Llama,
+    share: bool,
+    micro_batch_tokens: usize,
+    backward: Backward,
+) {
     let partial = LoraConfig {
         rank: 3,
         alpha: 4.0,
@@ -577,6 +621,31 @@ fn packed_train_step_gradients_match_finite_differences_for_every_factor() {
     check_train_step_against_finite_differences(true, 18, Backward::Tape);
 }
 
+/// The tape through weights kept in blocks (Q4_1 projections, Q8_0 embedding
+/// and head; unpacked into panels, activations in f64): the forward, the
+/// LM head and the products back through the frozen weights.
+#[test]
+fn native_train_step_gradients_match_finite_differences_for_every_factor() {
+    let spec = TinySpec {
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 32,
+        vocab: 260,
+        layers: 2,
+        ..TinySpec::default()
+    };
+    let model = tiny::build(&spec)
+        .unwrap()
+        .0
+        .quantized(BlockFormat::Q4_1, BlockFormat::Q8_0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    assert!(model.blocks[0].down.weight.blocks().is_some());
+    check_finite_differences_on(&model, true, 18, Backward::Tape);
+}
+
 #[test]
 fn generic_backward_gradients_match_finite_differences_for_every_factor() {
     // The packed layout of the test above, through the backward that runs
@@ -684,7 +753,7 @@ pub fn assert_layouts_agree(
 /// Two train steps of `rows` give the same loss per adapter, factor
 /// gradients (relative error in the Frobenius norm) and log-probs, within
 /// `tolerance` relative; a row that did not run in `out` adds nothing.
-fn assert_outputs_agree(
+pub fn assert_outputs_agree(
     plain: &compute::TrainOutput,
     out: &compute::TrainOutput,
     rows: &[TrainRow],

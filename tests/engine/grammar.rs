@@ -163,7 +163,7 @@ fn every_random_reply_holds_on_the_smollm2_vocabulary() {
     let path = DEFAULT_MODEL
         .ensure(&mut |m| eprintln!("{m}"))
         .unwrap_or_else(|e| panic!("the real SmolLM2 model is required for this test: {e}"));
-    let base = BaseModel::load(&path).unwrap();
+    let base = BaseModel::load(&path, populora::base::WeightsSetting::F32).unwrap();
     random_replies_hold(&base.tokenizer, base.config().vocab_size, &[192, 512], 4);
 }
 

@@ -6,7 +6,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, IndexOp, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use populora::base::fetch::{DEFAULT_MODEL, HUMAN_EVAL};
-use populora::base::{BaseModel, Logits, Message, NoLora, Positions};
+use populora::base::{BaseModel, Logits, Message, NoLora, Positions, WeightsSetting};
 use populora::compute::{self, AdapterSet, GenRequest, Sampling};
 use populora::eval::humaneval;
 use populora::keyed_stream;
@@ -30,7 +30,7 @@ fn peer(path: &std::path::Path) -> ModelWeights {
 #[test]
 fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
     let path = model_path();
-    let base = BaseModel::load(&path).unwrap();
+    let base = BaseModel::load(&path, WeightsSetting::F32).unwrap();
     let cfg = base.config();
     assert_eq!(
         (
@@ -106,7 +106,7 @@ fn smollm2_matches_quantized_llama_logits_and_greedy_continuation() {
 
 #[test]
 fn smollm2_tokenizer_and_chat_format() {
-    let base = BaseModel::load(&model_path()).unwrap();
+    let base = BaseModel::load(&model_path(), WeightsSetting::F32).unwrap();
     let tok = &base.tokenizer;
     assert_eq!(tok.token_to_id("<|im_start|>"), Some(1));
     assert_eq!(tok.token_to_id("<|im_end|>"), Some(2));
@@ -152,7 +152,7 @@ fn hard_coded_chatml(messages: &[Message]) -> String {
 /// quickstart and every recorded eval are unchanged.
 #[test]
 fn smollm2_template_renders_exactly_the_former_chatml() {
-    let base = BaseModel::load(&model_path()).unwrap();
+    let base = BaseModel::load(&model_path(), WeightsSetting::F32).unwrap();
     let tok = &base.tokenizer;
     assert_eq!(tok.stop_ids, [2, 0], "<|im_end|>, then <|endoftext|>");
     let mut conversations: Vec<Vec<Message>> = vec![
@@ -214,7 +214,7 @@ fn one_selfplay_step_on_smollm2() {
     use populora::verify::{SandboxConfig, VerifierPool};
     use std::collections::BTreeMap;
 
-    let base = BaseModel::load(&model_path()).unwrap();
+    let base = BaseModel::load(&model_path(), WeightsSetting::F32).unwrap();
     let settings = Settings {
         task_kinds: vec![TaskKind::Deduction, TaskKind::Abduction],
         prompt: PromptConfig {
@@ -308,7 +308,7 @@ fn smollm2_shares_prompts_without_changing_results() {
     use crate::compute::{assert_layouts_agree, grouped_rollouts, random_adapter_sized};
     use candle_core::DType;
 
-    let base = BaseModel::load(&model_path()).unwrap();
+    let base = BaseModel::load(&model_path(), WeightsSetting::F32).unwrap();
     let model = &base.model;
     // The size of a young trained adapter: the model stays itself, so f32's
     // rounding stays small (with ±0.3 factors on every projection the
@@ -371,7 +371,7 @@ fn smollm2_generic_backward_matches_the_tape() {
     };
     use candle_core::DType;
 
-    let base = BaseModel::load(&model_path()).unwrap();
+    let base = BaseModel::load(&model_path(), WeightsSetting::F32).unwrap();
     let model = &base.model;
     let config = populora::lora::LoraConfig {
         targets: populora::base::Target::ALL.to_vec(),
@@ -405,4 +405,138 @@ fn the_default_model_is_its_known_identity() {
     );
     assert!(names_model(DEFAULT_MODEL_IDENTITY.hf_repo, &cfg));
     assert_eq!(BaseRef::of(&cfg).hf_name(), DEFAULT_MODEL_IDENTITY.hf_repo);
+}
+
+/// Each native kernel (few rows, row lanes, panels) on SmolLM2's own Q4_1
+/// and Q8_0 tensors agrees with f64 sums over their dequantized values
+/// within what summing in another order explains: `|y − Σx·w| ≤ k·u·Σ|x·w|`
+/// (u = 2⁻²⁴, recursive summation of `k` products; the f32 path's sums obey
+/// the same bound). The base kept in blocks holds at most the GGUF's size
+/// plus 10 %.
+#[test]
+fn smollm2_native_kernels_match_its_dequantized_tensors() {
+    use populora::base::native;
+    use rand::Rng;
+    let path = model_path();
+    let model = BaseModel::load(&path, WeightsSetting::Native)
+        .unwrap()
+        .model;
+    let file = std::fs::metadata(&path).unwrap().len() as f64;
+    let resident = model.resident_bytes() as f64;
+    assert!(
+        resident <= 1.1 * file,
+        "{resident} bytes for a {file}-byte GGUF"
+    );
+    let mut rng = keyed_stream!(0, "native-kernels");
+    let matrices = [
+        ("blk.0.attn_q", &model.blocks[0].q.weight, 1),
+        ("blk.29.ffn_down", &model.blocks[29].down.weight, 1),
+        ("token_embd", &model.embed, 61),
+    ];
+    for (name, weight, stride) in matrices {
+        let w = weight.blocks().unwrap();
+        let (n, k) = (w.rows(), w.cols());
+        let dense = w.to_f32();
+        for m in [1, 5, 16, 40] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let y = native::matmul_t(&x, w, m).unwrap();
+            for r in 0..m {
+                let x = &x[r * k..(r + 1) * k];
+                for j in (0..n).step_by(stride) {
+                    let w = &dense[j * k..(j + 1) * k];
+                    let products = x.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64);
+                    let exact: f64 = products.clone().sum();
+                    let magnitude: f64 = products.map(f64::abs).sum();
+                    let bound = k as f64 * f64::from(f32::EPSILON) / 2.0 * magnitude;
+                    let err = (y[r * n + j] as f64 - exact).abs();
+                    assert!(err <= bound, "{name} {m} rows [{r}, {j}]: {err} > {bound}");
+                }
+            }
+        }
+    }
+}
+
+/// Greedy continuations with the weights in blocks equal those of f32 on
+/// `bench generate`'s prompts, at batch 1 (the few-row kernels) and 32 (row
+/// lanes), or part where f32's two most likely tokens are within 1e-4 in
+/// log-probability (a near-tie that the last bits of a sum may flip).
+#[test]
+fn smollm2_native_greedy_continuations_match_f32() {
+    let path = model_path();
+    let native = BaseModel::load(&path, WeightsSetting::Native).unwrap();
+    let f32 = BaseModel::load(&path, WeightsSetting::F32).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..32)
+        .map(|i| {
+            let text = format!(
+                "Write a Python function number {i} that adds {i} to each element of a list."
+            );
+            native
+                .tokenizer
+                .encode_chat(&[Message::new("user", text)])
+                .unwrap()
+        })
+        .collect();
+    let greedy = |base: &BaseModel, prompts: &[Vec<u32>], tokens: usize| {
+        let requests = prompts
+            .iter()
+            .map(|p| GenRequest {
+                adapter: None,
+                prompt: p.clone(),
+                max_new_tokens: tokens,
+                stop: vec![],
+                sampling: Sampling::GREEDY,
+                rng: keyed_stream!(0, "test"),
+                grammar: None,
+            })
+            .collect();
+        compute::generate_with_top(&base.model, &AdapterSet::new(), requests, 2).unwrap()
+    };
+    let mut differing = 0;
+    for (rows, tokens) in [(1, 64), (32, 24)] {
+        let (ours, theirs) = (
+            greedy(&native, &prompts[..rows], tokens),
+            greedy(&f32, &prompts[..rows], tokens),
+        );
+        for (row, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            let Some(t) = a.tokens.iter().zip(&b.tokens).position(|(x, y)| x != y) else {
+                continue;
+            };
+            differing += 1;
+            let gap = b.top[t][0].1 - b.top[t][1].1;
+            assert!(
+                gap < 1e-4,
+                "batch {rows} row {row} token {t}: {} against {}, f32's top two {gap} apart",
+                a.tokens[t],
+                b.tokens[t]
+            );
+        }
+    }
+    eprintln!("{differing} of 33 continuations part at a near-tie");
+}
+
+/// A train step through the weights in blocks gives f32's loss, LoRA
+/// gradients and log-probs within 1e-4 relative.
+#[test]
+fn smollm2_native_train_step_matches_f32() {
+    use crate::compute::{assert_outputs_agree, grouped_rollouts, random_adapter_sized};
+    use candle_core::DType;
+    use populora::compute::TrainConfig;
+    let path = model_path();
+    let native = BaseModel::load(&path, WeightsSetting::Native)
+        .unwrap()
+        .model;
+    let f32 = BaseModel::load(&path, WeightsSetting::F32).unwrap().model;
+    let config = populora::lora::LoraConfig {
+        targets: populora::base::Target::ALL.to_vec(),
+        ..Default::default()
+    };
+    let adapters: Vec<_> = (0..3)
+        .map(|i| random_adapter_sized(config.clone(), &f32, 90 + i, DType::F32, (0.05, 0.005)))
+        .collect();
+    let set = (0..3).fold(AdapterSet::new(), |set, i| {
+        set.with(i, &adapters[i as usize])
+    });
+    let rows = grouped_rollouts(f32.config.vocab_size as u32, 11);
+    let step = |model| compute::train_step(model, &set, &rows, TrainConfig::default()).unwrap();
+    assert_outputs_agree(&step(&f32), &step(&native), &rows, 1e-4);
 }

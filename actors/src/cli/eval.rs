@@ -143,7 +143,8 @@ impl Args {
     /// defaults (the solver grammar on) with --model and --device.
     fn scenario(&self) -> anyhow::Result<Scenario> {
         if let Some(dir) = &self.dir {
-            return Ok(Scenario::from_file(
+            // As recorded: a run older than `[model] weights` evaluates in f32.
+            return Ok(Scenario::from_recorded_file(
                 dir.join("scenario.toml"),
                 check_operator,
             )?);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use candle_core::Device;
 use clap::Parser;
-use populora::base::{self, BaseModel, Message, Tokenizer};
+use populora::base::{self, BaseModel, Message, Tokenizer, WeightsSetting};
 use populora::compute::{self, AdapterSet, GenRequest, Generation, Pick, Sampling, StopReason};
 use populora::grammar::{Grammar, Vocabulary};
 use populora::keyed_stream;
@@ -61,6 +61,10 @@ pub struct Args {
     /// A GGUF file or HF model directory (default: SmolLM2-135M-Instruct, fetched on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// How the base keeps its weights, as the scenario key `[model] weights`:
+    /// `native` (as the GGUF holds them) or `f32`.
+    #[arg(long, default_value = "native", value_parser = parse_weights)]
+    pub weights: WeightsSetting,
 }
 
 fn compile_grammar(base: &BaseModel, path: &Path) -> anyhow::Result<Grammar> {
@@ -72,9 +76,14 @@ fn compile_grammar(base: &BaseModel, path: &Path) -> anyhow::Result<Grammar> {
         .with_context(|| format!("in {}", path.display()))
 }
 
-pub fn load_model(path: Option<&Path>) -> anyhow::Result<BaseModel> {
+pub fn load_model(path: Option<&Path>, weights: WeightsSetting) -> anyhow::Result<BaseModel> {
     let path = base::resolve_model(path, &mut |m| eprintln!("{m}"))?;
-    BaseModel::load(&path).with_context(|| format!("loading {}", path.display()))
+    BaseModel::load(&path, weights).with_context(|| format!("loading {}", path.display()))
+}
+
+/// `--weights`: `native` or `f32`.
+pub fn parse_weights(name: &str) -> Result<WeightsSetting, String> {
+    WeightsSetting::parse(name).ok_or_else(|| format!("{name:?} is not `native` or `f32`"))
 }
 
 /// Every `--adapter`, checked against the base it will run on.
@@ -100,7 +109,7 @@ fn prompt_tokens(tok: &Tokenizer, args: &Args) -> anyhow::Result<Vec<u32>> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let base = load_model(args.model.as_deref())?;
+    let base = load_model(args.model.as_deref(), args.weights)?;
     let adapters = load_adapters(&base, &args.adapter)?;
     let tok = &base.tokenizer;
     let prompt = prompt_tokens(tok, &args)?;

@@ -108,7 +108,7 @@ fn changed_keys(out: &Path, arm: &str, scenario: &Scenario) -> String {
     let saved = seeds
         .iter()
         .map(|dir| RunDir::new(&dir.join(arm)).scenario())
-        .find_map(|file| Scenario::from_file(&file, check_operator).ok());
+        .find_map(|file| Scenario::from_recorded_file(&file, check_operator).ok());
     let set_by_experiment = ["seed", "budget_tflop", "checkpoint.at_tflop"];
     match saved {
         Some(saved) => {
@@ -202,7 +202,7 @@ pub fn run(dir: &Path, scenario: Scenario, seeded: Option<Seeded>) -> anyhow::Re
 /// The run in `dir` was begun with `scenario`'s settings (its saved
 /// `scenario.toml`), or the keys that differ are named.
 fn same_settings(saved: &Path, scenario: &Scenario) -> anyhow::Result<()> {
-    let recorded = Scenario::from_file(saved, check_operator)
+    let recorded = Scenario::from_recorded_file(saved, check_operator)
         .with_context(|| format!("reading {}", saved.display()))?;
     let keys = recorded.differing_keys(scenario);
     if keys.is_empty() {

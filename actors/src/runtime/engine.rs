@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use populora::base::tiny;
-use populora::base::{resolve_model, BaseModel, Llama, Tokenizer};
+use populora::base::{resolve_model, BaseModel, Llama, Tokenizer, WeightsSetting};
 use populora::lora::{AdamWConfig, BaseRef, LoraConfig};
 use populora::scenario::{ModelSource, Scenario};
 use populora::selfplay::{Grammars, Settings};
@@ -97,13 +97,14 @@ fn base_model(
             let (model, vocab) = tiny::build(&spec)?;
             Ok((model, vocab.tokenizer()?))
         }
-        ModelSource::Default => load(&resolve_model(None, progress)?),
-        ModelSource::Path(path) => load(path),
+        ModelSource::Default => load(&resolve_model(None, progress)?, scenario.model.weights),
+        ModelSource::Path(path) => load(path, scenario.model.weights),
     }
 }
 
-fn load(path: &std::path::Path) -> anyhow::Result<(Llama, Tokenizer)> {
-    let base = BaseModel::load(path).with_context(|| format!("loading {}", path.display()))?;
+fn load(path: &std::path::Path, weights: WeightsSetting) -> anyhow::Result<(Llama, Tokenizer)> {
+    let base =
+        BaseModel::load(path, weights).with_context(|| format!("loading {}", path.display()))?;
     Ok((base.model, base.tokenizer))
 }
 
@@ -118,17 +119,18 @@ fn fingerprint(model: &Llama) -> anyhow::Result<String> {
     const ROWS: usize = 4096;
     let mut hash = Sha256::new();
     hash.update(populora::lora::shape_fingerprint(&model.config).as_bytes());
-    for tensor in [&model.embed, &model.final_norm.unsqueeze(0)?] {
-        let rows = tensor.dim(0)?;
-        for start in (0..rows).step_by(ROWS) {
-            let chunk = tensor.narrow(0, start, ROWS.min(rows - start))?;
-            let values = chunk
-                .to_dtype(candle_core::DType::F32)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            hash.update(&bytes);
-        }
+    // The same bytes whichever form the weights are kept in: their values.
+    let vocab = model.embed.dims2()?.0;
+    let embed_chunks = (0..vocab)
+        .step_by(ROWS)
+        .map(|start| model.embed.dense_rows(start, ROWS.min(vocab - start)));
+    for chunk in embed_chunks.chain([Ok(model.final_norm.unsqueeze(0)?)]) {
+        let values = chunk?
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        hash.update(&bytes);
     }
     let digest = hash.finalize();
     Ok(digest[..8].iter().map(|b| format!("{b:02x}")).collect())

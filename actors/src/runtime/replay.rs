@@ -172,7 +172,7 @@ pub fn resume(root: &Path) -> anyhow::Result<Summary> {
 /// `resumed_from` is filled in here).
 fn resume_after(root: &Path, change: Option<Event>) -> anyhow::Result<Summary> {
     let dir = RunDir::new(root);
-    let scenario = Scenario::from_file(dir.scenario(), check_operator)?;
+    let scenario = Scenario::from_recorded_file(dir.scenario(), check_operator)?;
     let events = journal::read(&dir.journal())?;
     if let Some(Event::End { step: end, .. }) =
         events.iter().rev().find(|e| matches!(e, Event::End { .. }))
@@ -347,7 +347,7 @@ pub fn replay(
     adjust: impl FnOnce(&mut Scenario) -> anyhow::Result<()>,
 ) -> anyhow::Result<Summary> {
     let dir = RunDir::new(root);
-    let mut scenario = Scenario::from_file(dir.scenario(), check_operator)?;
+    let mut scenario = Scenario::from_recorded_file(dir.scenario(), check_operator)?;
     adjust(&mut scenario)?;
     let recorded = journal::read(&dir.journal())?;
     let Some(end) = recorded.iter().find_map(|e| match e {

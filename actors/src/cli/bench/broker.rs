@@ -122,17 +122,18 @@ fn train_flops(base: &BaseModel, rows: usize, len: usize, scored: usize) -> f64 
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let base = args.model.load()?;
-    let device = base.model.device().clone();
+    let bases = args.model.load_each()?;
+    let first = &bases[0].1;
+    let device = first.model.device().clone();
     // The GEMM reference is taken before and after the runs and the better one
     // kept: a single sample swings by ±15 % on a shared machine.
     let matmul_before = matmul_gflops(&device)?;
-    let adapters = adapters(&base)?;
+    let adapters = adapters(first)?;
     let mut set = AdapterSet::new();
     for (i, a) in adapters.iter().enumerate() {
         set = set.with(i as u64, a);
     }
-    let prompts = prompts(&base, ADAPTERS * ROWS_PER_ADAPTER)?;
+    let prompts = prompts(first, ADAPTERS * ROWS_PER_ADAPTER)?;
     let multi_rows: Vec<(u64, Vec<u32>)> = prompts
         .iter()
         .enumerate()
@@ -140,66 +141,116 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .collect();
     let single_rows: Vec<(u64, Vec<u32>)> = prompts.iter().map(|p| (0, p.clone())).collect();
     // Warm up at full batch size so neither measured run pays first-use costs.
-    decode(&base, &set, &multi_rows, 4)?;
-    decode(&base, &set, &single_rows, 4)?;
-
-    // Interleaved repeats, best of each: run-to-run noise on this machine is
-    // larger than the effect being measured.
-    let (mut single, mut multi, mut sequential) = (0f64, 0f64, 0f64);
-    for _ in 0..args.repeats {
-        let (n, t) = decode(&base, &set, &single_rows, args.tokens)?;
-        single = single.max(n as f64 / t);
-        let (n, t) = decode(&base, &set, &multi_rows, args.tokens)?;
-        multi = multi.max(n as f64 / t);
-        let (mut n_seq, mut t_seq) = (0, 0.0);
-        for chunk in multi_rows.chunks(ROWS_PER_ADAPTER) {
-            let (n, t) = decode(&base, &set, chunk, args.tokens)?;
-            n_seq += n;
-            t_seq += t;
-        }
-        sequential = sequential.max(n_seq as f64 / t_seq);
+    for (_, base) in &bases {
+        decode(base, &set, &multi_rows, 4)?;
+        decode(base, &set, &single_rows, 4)?;
     }
 
-    let train = train_speed(&base, &set, &args)?;
-    let grouped = if args.skip_grouped {
-        None
-    } else {
-        Some(grouped_speed(&base, &set)?)
-    };
+    // Interleaved repeats (every setting in each), best of each: run-to-run
+    // noise on this machine is larger than the effect being measured.
+    let mut speeds = vec![DecodeSpeed::default(); bases.len()];
+    for _ in 0..args.repeats {
+        for ((_, base), speed) in bases.iter().zip(&mut speeds) {
+            let (n, t) = decode(base, &set, &single_rows, args.tokens)?;
+            speed.single = speed.single.max(n as f64 / t);
+            let (n, t) = decode(base, &set, &multi_rows, args.tokens)?;
+            speed.multi = speed.multi.max(n as f64 / t);
+            let (mut n_seq, mut t_seq) = (0, 0.0);
+            for chunk in multi_rows.chunks(ROWS_PER_ADAPTER) {
+                let (n, t) = decode(base, &set, chunk, args.tokens)?;
+                n_seq += n;
+                t_seq += t;
+            }
+            speed.sequential = speed.sequential.max(n_seq as f64 / t_seq);
+        }
+    }
+
+    let trains = train_speed(&bases, &set, &args)?;
+    let mut grouped = Vec::new();
+    for (_, base) in &bases {
+        grouped.push(if args.skip_grouped {
+            None
+        } else {
+            Some(grouped_speed(base, &set)?)
+        });
+    }
     let matmul = matmul_gflops(&device)?.max(matmul_before);
-    let value = serde_json::json!({
-        "multi_tok_s": multi,
-        "single_tok_s": single,
-        "sequential_tok_s": sequential,
-        "multi_over_single": multi / single,
-        "multi_over_sequential": multi / sequential,
+    let mut by_weights = serde_json::Map::new();
+    for (i, (name, base)) in bases.iter().enumerate() {
+        let side = setting_report(base, &speeds[i], &trains[i], grouped[i].take(), matmul);
+        by_weights.insert(name.to_string(), side);
+    }
+    let mut value = by_weights[bases[0].0].clone();
+    value["weights"] = bases
+        .iter()
+        .map(|(name, _)| *name)
+        .collect::<Vec<_>>()
+        .into();
+    if let (Some(native), Some(f32)) = (by_weights.get("native"), by_weights.get("f32")) {
+        let ratio =
+            |key: &str| native[key].as_f64().unwrap_or(0.0) / f32[key].as_f64().unwrap_or(f64::NAN);
+        value["native_over_f32"] = serde_json::json!({
+            "multi_tok_s": ratio("multi_tok_s"),
+            "single_tok_s": ratio("single_tok_s"),
+            "sequential_tok_s": ratio("sequential_tok_s"),
+            "train_tok_s": ratio("train_tok_s"),
+        });
+    }
+    value["by_weights"] = by_weights.into();
+    value["matmul_gflops"] = matmul.into();
+    value["repeats"] = args.repeats.into();
+    value["new_tokens_per_row"] = args.tokens.into();
+    value["threads"] = candle_core::utils::get_num_threads().into();
+    value["device"] = args.model.device.clone().into();
+    value["random_weights"] = args.model.random_weights.into();
+    super::report(args.json, &value);
+    Ok(())
+}
+
+/// Decode tokens/s: 8 adapters' rows in one batch (`multi`), the same rows
+/// on one adapter (`single`), and 8 batches of one adapter's rows
+/// (`sequential`).
+#[derive(Debug, Clone, Copy, Default)]
+struct DecodeSpeed {
+    multi: f64,
+    single: f64,
+    sequential: f64,
+}
+
+/// One setting's figures.
+fn setting_report(
+    base: &BaseModel,
+    decode: &DecodeSpeed,
+    train: &TrainSpeed,
+    grouped: Option<serde_json::Value>,
+    matmul: f64,
+) -> serde_json::Value {
+    serde_json::json!({
+        "multi_tok_s": decode.multi,
+        "single_tok_s": decode.single,
+        "sequential_tok_s": decode.sequential,
+        "multi_over_single": decode.multi / decode.single,
+        "multi_over_sequential": decode.multi / decode.sequential,
         "train_tok_s": train.multi,
         "train_single_tok_s": train.single,
         "train_sequential_tok_s": train.sequential,
         "train_multi_over_single": train.multi / train.single,
         "train_multi_over_sequential": train.multi / train.sequential,
         "train_gflops": train.gflops,
-        "matmul_gflops": matmul,
         "train_over_matmul": train.gflops / matmul,
         "train_micro_batches": train.micro_batches,
         "train_micro_batch_tokens": TrainConfig::default().micro_batch_tokens,
         "grouped": grouped,
         "adapters": ADAPTERS,
         "rows": ADAPTERS * ROWS_PER_ADAPTER,
-        "new_tokens_per_row": args.tokens,
-        "repeats": args.repeats,
-        "threads": candle_core::utils::get_num_threads(),
-        "device": args.model.device,
-        "random_weights": args.model.random_weights,
+        "resident_weight_bytes": base.model.resident_bytes(),
         "shape": {
             "hidden": base.config().hidden_size,
             "layers": base.config().num_layers,
             "ffn": base.config().intermediate_size,
             "vocab": base.config().vocab_size,
         },
-    });
-    super::report(args.json, &value);
-    Ok(())
+    })
 }
 
 /// Train-step tokens/s of 8 adapters × 4 rows of `train_len` tokens in one
@@ -213,7 +264,13 @@ struct TrainSpeed {
     micro_batches: usize,
 }
 
-fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Result<TrainSpeed> {
+/// [`TrainSpeed`] of each setting's base, their steps interleaved.
+fn train_speed(
+    bases: &[(&'static str, BaseModel)],
+    set: &AdapterSet,
+    args: &Args,
+) -> anyhow::Result<Vec<TrainSpeed>> {
+    let config = bases[0].1.config();
     let len = args.train_len;
     let scored = len - len / 4;
     let mut rng = keyed_stream!(0, "bench-train");
@@ -221,7 +278,7 @@ fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Resul
         .map(|i| TrainRow {
             adapter: (i / ROWS_PER_ADAPTER) as u64,
             tokens: (0..len)
-                .map(|_| rng.random_range(0..base.config().vocab_size as u32))
+                .map(|_| rng.random_range(0..config.vocab_size as u32))
                 .collect(),
             prompt_len: 0,
             loss_mask: (0..len).map(|t| t >= len - scored).collect(),
@@ -238,33 +295,42 @@ fn train_speed(base: &BaseModel, set: &AdapterSet, args: &Args) -> anyhow::Resul
             ..r.clone()
         })
         .collect();
-    let step = |rows: &[TrainRow]| -> anyhow::Result<(f64, usize)> {
+    let step = |base: &BaseModel, rows: &[TrainRow]| -> anyhow::Result<(f64, usize)> {
         let start = Instant::now();
         let out = compute::train_step(&base.model, set, rows, TrainConfig::default())?;
         Ok((start.elapsed().as_secs_f64(), out.micro_batches))
     };
     // Interleaved, best of `repeats`, as for decode and the GEMM reference:
     // one sample swings by ±20 % on a shared machine.
-    let (mut multi_s, mut single_s, mut sequential_s) = (f64::MAX, f64::MAX, f64::MAX);
-    let mut micro_batches = 0;
+    let mut best = vec![(f64::MAX, f64::MAX, f64::MAX, 0); bases.len()];
     for _ in 0..args.repeats.max(1) {
-        let (s, batches) = step(&rows)?;
-        (multi_s, micro_batches) = (multi_s.min(s), batches);
-        single_s = single_s.min(step(&single_rows)?.0);
-        let mut sum = 0.0;
-        for chunk in rows.chunks(ROWS_PER_ADAPTER) {
-            sum += step(chunk)?.0;
+        for ((_, base), (multi_s, single_s, sequential_s, micro_batches)) in
+            bases.iter().zip(&mut best)
+        {
+            let (s, batches) = step(base, &rows)?;
+            (*multi_s, *micro_batches) = (multi_s.min(s), batches);
+            *single_s = single_s.min(step(base, &single_rows)?.0);
+            let mut sum = 0.0;
+            for chunk in rows.chunks(ROWS_PER_ADAPTER) {
+                sum += step(base, chunk)?.0;
+            }
+            *sequential_s = sequential_s.min(sum);
         }
-        sequential_s = sequential_s.min(sum);
     }
     let tokens = (rows.len() * len) as f64;
-    Ok(TrainSpeed {
-        multi: tokens / multi_s,
-        single: tokens / single_s,
-        sequential: tokens / sequential_s,
-        gflops: train_flops(base, rows.len(), len, scored) / multi_s / 1e9,
-        micro_batches,
-    })
+    Ok(bases
+        .iter()
+        .zip(best)
+        .map(
+            |((_, base), (multi_s, single_s, sequential_s, micro_batches))| TrainSpeed {
+                multi: tokens / multi_s,
+                single: tokens / single_s,
+                sequential: tokens / sequential_s,
+                gflops: train_flops(base, rows.len(), len, scored) / multi_s / 1e9,
+                micro_batches,
+            },
+        )
+        .collect())
 }
 
 /// The grouped case: 8 adapters × 4 prompts of [`GROUPED_PROMPT`] tokens,

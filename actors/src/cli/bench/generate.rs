@@ -1,7 +1,9 @@
-//! `populora bench generate`: decode speed of the base model at batch 1 and
-//! 32 (free and under a reply grammar), against candle-transformers' own
-//! models at batch 1.
+//! `populora bench generate`: decode speed of the base model at batch 1
+//! (against candle-transformers' own models), over a curve of batch sizes,
+//! and at batch 32 under a reply grammar; with `--weights native,f32`, for
+//! both ways of keeping the weights, side by side in this one run.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -24,13 +26,17 @@ pub struct Args {
     /// New tokens per row.
     #[arg(long, default_value_t = 64)]
     pub tokens: usize,
-    /// Token budget of each reply in the constrained batch-32 run.
+    /// Token budget of each reply in the constrained batch-32 run (0: leave
+    /// that run out).
     #[arg(long, default_value_t = 192)]
     pub grammar_tokens: usize,
-    /// Interleaved repeats of the batch-1 runs (ours and each peer); the best
-    /// of each is reported.
+    /// Interleaved repeats of every run (each setting, each peer, each batch
+    /// size); the best of each is reported.
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
+    /// Rows of the batch curve, each row its own prompt.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32,64")]
+    pub batch_curve: Vec<usize>,
     #[command(flatten)]
     pub model: BenchModel,
 }
@@ -40,18 +46,46 @@ pub struct Args {
 const WARM_UP_TOKENS: usize = 4;
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let base = args.model.load()?;
-    let prompts = bench_prompts(&base)?;
-    let sides = batch1_sides(&base, &prompts[0], args.tokens, args.repeats.max(1))?;
-    let (batch32, _, _) = decode(&base, &prompts, args.tokens, None, Sampling::GREEDY)?;
-    let constrained = constrained_batch32(&base, &prompts, args.grammar_tokens)?;
-    let batch1 = sides.ours.tok_s;
+    let bases = args.model.load_each()?;
+    let repeats = args.repeats.max(1);
+    let (first_name, first) = (bases[0].0, &bases[0].1);
+    let most_rows = args.batch_curve.iter().copied().max().unwrap_or(0).max(32);
+    let prompts = bench_prompts(first, most_rows)?;
+    let sides = batch1_sides(&bases, &prompts[0], args.tokens, repeats)?;
+    let curve = batch_curve(&bases, &prompts, &args.batch_curve, args.tokens, repeats)?;
+    let batch1 = sides.ours[0].tok_s;
+    let batch32 = match curve[first_name].get(&32) {
+        Some(&tok_s) => tok_s,
+        None => decode(first, &prompts[..32], args.tokens, None, Sampling::GREEDY)?.0,
+    };
+    let mut constrained = serde_json::Map::new();
+    for (name, base) in bases.iter().filter(|_| args.grammar_tokens > 0) {
+        let value = constrained_batch32(base, &prompts[..32], args.grammar_tokens)?;
+        constrained.insert(name.to_string(), value);
+    }
     let (f32_peer, quantized) = (sides.f32_peer.measured(), sides.quantized.measured());
-    let same_tokens = common_prefix(&sides.ours.tokens, &sides.f32_peer.tokens);
+    let same_tokens = common_prefix(&sides.ours[0].tokens, &sides.f32_peer.tokens);
+    let by_weights: serde_json::Map<_, _> = bases
+        .iter()
+        .zip(&sides.ours)
+        .map(|((name, _), ours)| {
+            let value = json!({
+                "batch1_tok_s": ours.tok_s,
+                "batch1_over_peer_llama_f32": f32_peer.map(|p| ours.tok_s / p),
+                "batch1_over_peer_quantized": quantized.map(|p| ours.tok_s / p),
+                "batch1_same_tokens_as_first": common_prefix(&ours.tokens, &sides.ours[0].tokens),
+            });
+            (name.to_string(), value)
+        })
+        .collect();
     let value = json!({
+        "weights": bases.iter().map(|(name, _)| *name).collect::<Vec<_>>(),
         "batch1_tok_s": batch1,
         "batch32_tok_s": batch32,
         "batch32_over_batch1": batch32 / batch1,
+        "by_weights": by_weights,
+        "batch_curve": curve,
+        "native_over_f32": native_over_f32(&curve),
         "peer_llama_f32_tok_s": f32_peer,
         "batch1_over_peer_llama_f32": f32_peer.map(|p| batch1 / p),
         "peer_llama_f32_same_tokens": f32_peer.map(|_| same_tokens),
@@ -67,7 +101,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         },
         "constrained_batch32": constrained,
         "new_tokens_per_row": args.tokens,
-        "repeats": args.repeats.max(1),
+        "repeats": repeats,
         "threads": candle_core::utils::get_num_threads(),
         "device": args.model.device,
         "random_weights": args.model.random_weights,
@@ -76,26 +110,76 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Batch 1 on one prompt: ours and each peer that can run here.
+/// Tokens/s by setting and batch size: `{"native": {"1": .., "4": ..}, ..}`.
+type Curve = BTreeMap<&'static str, BTreeMap<usize, f64>>;
+
+/// Every batch size of `sizes` for every setting, interleaved: one warm-up
+/// each, then `repeats` rounds, the best of each kept.
+fn batch_curve(
+    bases: &[(&'static str, BaseModel)],
+    prompts: &[Vec<u32>],
+    sizes: &[usize],
+    tokens: usize,
+    repeats: usize,
+) -> anyhow::Result<Curve> {
+    let mut curve: Curve = bases
+        .iter()
+        .map(|(name, _)| (*name, BTreeMap::new()))
+        .collect();
+    for (round, tokens) in std::iter::once(WARM_UP_TOKENS)
+        .chain(std::iter::repeat_n(tokens, repeats))
+        .enumerate()
+    {
+        for &rows in sizes {
+            for (name, base) in bases {
+                let (tok_s, _, _) = decode(base, &prompts[..rows], tokens, None, Sampling::GREEDY)?;
+                if round > 0 {
+                    let best = curve
+                        .get_mut(name)
+                        .expect("every setting")
+                        .entry(rows)
+                        .or_default();
+                    *best = best.max(tok_s);
+                }
+            }
+        }
+    }
+    Ok(curve)
+}
+
+/// `native`'s tokens/s over `f32`'s at every batch size, when both ran.
+fn native_over_f32(curve: &Curve) -> Option<BTreeMap<usize, f64>> {
+    let (native, f32) = (curve.get("native")?, curve.get("f32")?);
+    Some(
+        native
+            .iter()
+            .filter_map(|(rows, n)| Some((*rows, n / f32.get(rows)?)))
+            .collect(),
+    )
+}
+
+/// Batch 1 on one prompt: ours under each setting, and each peer that can
+/// run here.
 struct Batch1 {
-    ours: Best,
+    ours: Vec<Best>,
     f32_peer: Best,
     quantized: Best,
 }
 
 /// Every side warmed up alike, then `repeats` interleaved runs, the best of
 /// each kept: one sample swings by ±15 % on a shared machine. The peers
-/// ([`Peers`]) run on the CPU only, and only in a build with them.
+/// ([`Peers`], on the first setting's model) run on the CPU only, and only
+/// in a build with them.
 fn batch1_sides(
-    base: &BaseModel,
+    bases: &[(&'static str, BaseModel)],
     prompt: &[u32],
     tokens: usize,
     repeats: usize,
 ) -> anyhow::Result<Batch1> {
-    let mut peers = Peers::load(base)?;
+    let mut peers = Peers::load(&bases[0].1)?;
     let prompts = [prompt.to_vec()];
     let mut sides = Batch1 {
-        ours: Best::default(),
+        ours: bases.iter().map(|_| Best::default()).collect(),
         f32_peer: Best::default(),
         quantized: Best::default(),
     };
@@ -109,9 +193,11 @@ fn batch1_sides(
                 side.add(tok_s, out);
             }
         };
-        let (tok_s, _, out) = decode(base, &prompts, tokens, None, Sampling::GREEDY)?;
-        let out = out.into_iter().next().map(|g| g.tokens).unwrap_or_default();
-        keep(&mut sides.ours, (tok_s, out));
+        for ((_, base), ours) in bases.iter().zip(&mut sides.ours) {
+            let (tok_s, _, out) = decode(base, &prompts, tokens, None, Sampling::GREEDY)?;
+            let out = out.into_iter().next().map(|g| g.tokens).unwrap_or_default();
+            keep(ours, (tok_s, out));
+        }
         if let Some(out) = peers.greedy_f32(prompt, tokens) {
             keep(&mut sides.f32_peer, out?);
         }
@@ -146,9 +232,9 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// 32 different short prompts (one per row of the batch-32 run).
-fn bench_prompts(base: &BaseModel) -> anyhow::Result<Vec<Vec<u32>>> {
-    (0..32)
+/// `n` different short prompts (one per row of a batch).
+fn bench_prompts(base: &BaseModel, n: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    (0..n)
         .map(|i| {
             let text = format!(
                 "Write a Python function number {i} that adds {i} to each element of a list."

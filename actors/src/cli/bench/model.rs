@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-use populora::base::{self, BaseModel};
+use populora::base::blocks::BlockFormat;
+use populora::base::{self, BaseModel, WeightsSetting};
 
 #[derive(clap::Args)]
 pub struct BenchModel {
@@ -22,6 +23,17 @@ pub struct BenchModel {
     /// SmolLM2's), e.g. `hidden=2048,heads=32,kv_heads=8,ffn=5632,layers=8`.
     #[arg(long, requires = "random_weights")]
     pub random_shape: Option<String>,
+    /// How the base keeps its weights (`[model] weights`): `native`, `f32`,
+    /// or both (`native,f32`), each measured side by side in this one run.
+    /// Random weights under `native` are quantized as the default GGUF is
+    /// (Q4_1 projections, Q8_0 embedding).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "native",
+        value_parser = crate::cli::generate::parse_weights
+    )]
+    pub weights: Vec<WeightsSetting>,
 }
 
 /// The default model's shape with the sizes `spec` (`KEY=N,...`) names
@@ -53,21 +65,38 @@ fn random_shape(spec: Option<&str>) -> anyhow::Result<base::tiny::TinySpec> {
 }
 
 impl BenchModel {
-    /// The model on its device. The device is checked first, so a bad one
-    /// fails before anything loads.
-    pub fn load(&self) -> anyhow::Result<BaseModel> {
+    /// The model once per `--weights` setting (each named), on its device.
+    /// The device is checked first, so a bad one fails before anything loads.
+    pub fn load_each(&self) -> anyhow::Result<Vec<(&'static str, BaseModel)>> {
         let device = base::device::open(&self.device)?;
-        let base = if self.random_weights {
-            let (model, vocab) = base::tiny::build(&random_shape(self.random_shape.as_deref())?)?;
-            BaseModel {
-                model,
-                tokenizer: vocab.tokenizer()?,
-                source: base::Source::Random,
-                path: PathBuf::from("random-weights"),
-            }
-        } else {
-            crate::cli::generate::load_model(self.model.as_deref())?
+        let mut settings = self.weights.clone();
+        settings.dedup();
+        if settings.is_empty() {
+            anyhow::bail!("--weights names no setting");
+        }
+        settings
+            .into_iter()
+            .map(|weights| {
+                let base = self.load_as(weights)?.to_device(&device)?;
+                Ok((weights.name(), base))
+            })
+            .collect()
+    }
+
+    fn load_as(&self, weights: WeightsSetting) -> anyhow::Result<BaseModel> {
+        if !self.random_weights {
+            return crate::cli::generate::load_model(self.model.as_deref(), weights);
+        }
+        let (model, vocab) = base::tiny::build(&random_shape(self.random_shape.as_deref())?)?;
+        let model = match weights {
+            WeightsSetting::F32 => model,
+            WeightsSetting::Native => model.quantized(BlockFormat::Q4_1, BlockFormat::Q8_0)?,
         };
-        Ok(base.to_device(&device)?)
+        Ok(BaseModel {
+            model,
+            tokenizer: vocab.tokenizer()?,
+            source: base::Source::Random,
+            path: PathBuf::from("random-weights"),
+        })
     }
 }
