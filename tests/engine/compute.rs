@@ -142,8 +142,8 @@ fn the_train_steps_forward_equals_the_inference_forward() {
 
 fn train_forward_equals_inference_forward(model: &Llama) {
     let (a, b) = (
-        random_adapter(&model, 1, DType::F32),
-        random_adapter(&model, 2, DType::F32),
+        random_adapter(model, 1, DType::F32),
+        random_adapter(model, 2, DType::F32),
     );
     let set = AdapterSet::new().with(1, &a).with(2, &b);
     let rows = vec![
@@ -151,8 +151,8 @@ fn train_forward_equals_inference_forward(model: &Llama) {
         (Some(2), vec![9, 8]),
         (None, vec![1, 2, 3]),
     ];
-    let inference = logits_of_pass(&model, &set, &rows, false);
-    let saving = logits_of_pass(&model, &set, &rows, true);
+    let inference = logits_of_pass(model, &set, &rows, false);
+    let saving = logits_of_pass(model, &set, &rows, true);
     for (i, s) in inference.iter().zip(&saving) {
         assert!(
             rel_err(i, s) <= 1e-5,
@@ -236,7 +236,7 @@ fn generation_of_a_row_does_not_depend_on_its_batch_with_weights_in_blocks() {
 
 fn row_generation_does_not_depend_on_its_batch(model: &Llama) {
     let adapters: Vec<Adapter> = (0..2)
-        .map(|s| random_adapter(&model, 10 + s, DType::F32))
+        .map(|s| random_adapter(model, 10 + s, DType::F32))
         .collect();
     let set = AdapterSet::new()
         .with(0, &adapters[0])
@@ -249,7 +249,7 @@ fn row_generation_does_not_depend_on_its_batch(model: &Llama) {
     // token rows or fewer, inside one kernel's range (compute::generate's doc).
     for sampling in [Sampling::GREEDY, hot] {
         let probe = request(Some(1), vec![5, 6], sampling, 99);
-        let alone = compute::generate(&model, &set, vec![probe.clone()]).unwrap();
+        let alone = compute::generate(model, &set, vec![probe.clone()]).unwrap();
         let mut batch = vec![
             request(Some(0), vec![1, 8], sampling, 1),
             request(None, vec![9], sampling, 2),
@@ -257,7 +257,7 @@ fn row_generation_does_not_depend_on_its_batch(model: &Llama) {
             request(Some(1), vec![3, 3], sampling, 3),
         ];
         batch[1].max_new_tokens = 3; // leaves the batch early
-        let mixed = compute::generate(&model, &set, batch).unwrap();
+        let mixed = compute::generate(model, &set, batch).unwrap();
         assert_eq!(alone[0].tokens, mixed[2].tokens, "{sampling:?}");
         assert_eq!(alone[0].tokens.len(), 12);
         assert_eq!(mixed[1].tokens.len(), 3);
@@ -469,8 +469,8 @@ fn check_finite_differences_on(
         ..LoraConfig::default()
     };
     let adapters = [
-        random_adapter(&model, 30, DType::F64),
-        random_adapter_with(partial, &model, 31, DType::F64),
+        random_adapter(model, 30, DType::F64),
+        random_adapter_with(partial, model, 31, DType::F64),
     ];
     let set = AdapterSet::new()
         .with(0, &adapters[0])
@@ -527,12 +527,12 @@ fn check_finite_differences_on(
             score_from: 1,
         })
         .collect();
-    let current = compute::logprobs(&model, &set, &scores, 4096).unwrap();
+    let current = compute::logprobs(model, &set, &scores, 4096).unwrap();
     let rows: Vec<TrainRow> = rows
         .into_iter()
         .zip(current)
         .map(|(mut r, lp)| {
-            let masked = masked_logprobs(&model, &set, &r);
+            let masked = masked_logprobs(model, &set, &r);
             r.old_logprobs = std::iter::once(0.0)
                 .chain(lp.iter().map(|l| l + 0.05))
                 .zip(&masked)
@@ -546,7 +546,7 @@ fn check_finite_differences_on(
         micro_batch_tokens,
         share_prefixes: share,
     };
-    let out = compute::train_step_with(&model, &set, &rows, config, backward).unwrap();
+    let out = compute::train_step_with(model, &set, &rows, config, backward).unwrap();
     // The train step's own forward agrees with scoring: every ratio is
     // exp(-0.05), up to the f32 rounding of the stored old log-probs (≈ 5e-7).
     for stats in out.stats.values() {
@@ -560,7 +560,7 @@ fn check_finite_differences_on(
         "the check must cover gradient accumulation"
     );
     let loss = |set: &AdapterSet| -> f64 {
-        let o = compute::train_step_with(&model, set, &rows, config, backward).unwrap();
+        let o = compute::train_step_with(model, set, &rows, config, backward).unwrap();
         o.stats.values().map(|s| s.loss).sum()
     };
     let eps = 1e-6;
