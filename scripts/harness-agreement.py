@@ -11,8 +11,11 @@ the answers (see README, `eval`). For each of the row's files:
 
 - HumanEval+ / MBPP+: `evalplus.evaluate` (EvalPlus from PyPI, importable
   here) on `evalplus-{humaneval,mbpp}-ROW.jsonl`, with `HUMANEVAL_OVERRIDE_PATH`
-  / `MBPP_OVERRIDE_PATH` pointing at the project's shipped data files; base
-  and plus status of every task against our `base_passed` and `passed`.
+  / `MBPP_OVERRIDE_PATH` pointing at the project's shipped data files, one
+  check at a time (`--parallel 1`, or $PARALLEL: its time limits come from
+  the canonical solutions' times, and checks that share the cores run
+  slower than those did); base and plus status of every task against our
+  `base_passed` and `passed`.
 - CRUXEval-O / -I: CRUXEval's own `evaluation/evaluate_generations.py`,
   copied at run time from the repository at `--cruxeval-repo` (a checkout
   or a bare git directory), on `cruxeval-generations-ROW-{output,input}.json`;
@@ -73,7 +76,7 @@ def evalplus_agreement(eval_dir, row, ours, work):
         shutil.copy(samples, copy)
         env = dict(os.environ, **{variable: str(data_file)})
         command = [sys.executable, "-m", "evalplus.evaluate", "--dataset", dataset,
-                   "--samples", str(copy), "--parallel", str(os.cpu_count() or 1),
+                   "--samples", str(copy), "--parallel", os.environ.get("PARALLEL", "1"),
                    "--i-just-wanna-run"]
         subprocess.run(command, env=env, check=True, stdout=sys.stderr)
         # EvalPlus 0.3.1 names it NAME_eval_results.json (later releases NAME.eval_results.json).
