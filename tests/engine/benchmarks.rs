@@ -426,3 +426,24 @@ fn each_math_set_extracts_and_compares_its_answers() {
         MathPrompt::AnswerTags
     ));
 }
+
+#[test]
+fn an_experiment_may_name_every_benchmark() {
+    use populora::scenario::check_operator;
+    use populora::scenario::experiment::Experiment;
+    let experiments = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
+    let names: Vec<String> = populora::eval::BENCHMARKS
+        .iter()
+        .map(|b| format!("{b:?}"))
+        .collect();
+    let text = format!(
+        "population = {:?}\nbaseline = {:?}\n[eval]\nbenchmarks = [{}]\nproblems = 20\n",
+        experiments.join("quick-population.toml"),
+        experiments.join("quick-baseline.toml"),
+        names.join(", ")
+    );
+    let path = scratch_dir("experiment").join("every-benchmark.toml");
+    std::fs::write(&path, text).unwrap();
+    let loaded = Experiment::from_file(&path, check_operator).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(loaded.experiment.eval.benchmarks.len(), 13);
+}

@@ -1187,6 +1187,26 @@ mod tests {
     }
 
     #[test]
+    fn problem_ids_name_each_benchmarks_problems_as_its_items_do() {
+        let ids = problem_ids("cruxeval-o, cruxeval-i,mbpp+,amc23").unwrap();
+        let names: Vec<&str> = ids.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["cruxeval-o", "cruxeval-i", "mbpp+", "amc23"]);
+        // A CRUXEval function's O and I items share its id: one problem set.
+        assert_eq!(ids[0].1, ids[1].1);
+        assert_eq!((ids[0].1.len(), ids[0].1[12].as_str()), (800, "sample_12"));
+        assert_eq!((ids[2].1.len(), ids[2].1[0].as_str()), (378, "Mbpp/2"));
+        assert_eq!(
+            ids[3].1,
+            (0..40).map(|i| format!("amc23/{i}")).collect::<Vec<_>>()
+        );
+        let err = problem_ids("cruxeval,mmlu").unwrap_err().to_string();
+        assert!(
+            err.contains("unknown benchmark `cruxeval`") && err.contains("cruxeval-o"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_complete_file_is_kept_whole_and_nothing_is_asked_again() {
         let all = answers();
         let kept = resumable(all.clone(), &keys(&all), 4).unwrap();
