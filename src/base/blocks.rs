@@ -49,6 +49,11 @@ impl BlockFormat {
         }
     }
 
+    /// Bytes per value (0.625 in Q4_1, 1.0625 in Q8_0, 2 in F16 and BF16).
+    pub fn bytes_per_value(self) -> f64 {
+        self.bytes() as f64 / BLOCK as f64
+    }
+
     /// The format of a GGUF tensor type, if kept natively.
     pub fn of_ggml(dtype: GgmlDType) -> Option<BlockFormat> {
         match dtype {

@@ -127,13 +127,15 @@ unsafe fn few_rows_task(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => few_rows_avx2(format, x, w, row_bytes, n, m, k, y),
         Isa::Portable => with_format!(format, F => {
-            tiles::<Scalar, F, 4, 4>(x, w, row_bytes, n, m, k, y)
+            tiles::<Scalar, F, 4, 2>(x, w, row_bytes, n, m, k, y)
         }),
     }
 }
 
-// Tile shapes: weight rows × input rows, so the accumulators, the unpacked
-// weights and one input vector fit the 32 (AVX-512) or 16 (AVX2) registers.
+// Tile shapes: every input row (up to 8) in one tile, so each weight is
+// unpacked once; `WIDE` weight rows at a time for one or two input rows,
+// `NARROW` for more, so that the accumulators, the unpacked weights and one
+// input vector fit the 32 (AVX-512) or 16 (AVX2) registers.
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma,f16c")]
@@ -149,7 +151,7 @@ unsafe fn few_rows_avx512(
     y: *mut f32,
 ) {
     use super::few_rows::x86::Avx512;
-    with_format!(format, F => tiles::<Avx512, F, 4, 4>(x, w, row_bytes, n, m, k, y))
+    with_format!(format, F => tiles::<Avx512, F, 4, 2>(x, w, row_bytes, n, m, k, y))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -166,18 +168,53 @@ unsafe fn few_rows_avx2(
     y: *mut f32,
 ) {
     use super::few_rows::x86::Avx2;
-    with_format!(format, F => tiles::<Avx2, F, 2, 4>(x, w, row_bytes, n, m, k, y))
+    with_format!(format, F => tiles::<Avx2, F, 2, 1>(x, w, row_bytes, n, m, k, y))
 }
 
-/// All of `y` (`[n, m]`, transposed): groups of `B` weight rows against
-/// tiles of `R` input rows, then the rows left over.
+/// Most input rows in one tile (default 4: at 8 rows, two tiles of 4 took
+/// 45 ms of one thread's time for SmolLM2's decode step against 57–61 for
+/// one tile of 8).
+const TILE_ROWS: usize = 4;
+
+/// All of `y` (`[n, m]`, transposed): tiles of up to [`TILE_ROWS`] input
+/// rows (as even as they can be), each against every weight row.
 ///
 /// # Safety
 /// `w` holds `n` rows of `row_bytes` (whole blocks of `k` values in `F`'s
 /// format), `x` `m` rows of `k`, `y` room for `n·m` values; the CPU runs `S`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tiles<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
+unsafe fn tiles<S: Lanes, F: Unpack<S>, const WIDE: usize, const NARROW: usize>(
+    x: *const f32,
+    w: *const u8,
+    row_bytes: usize,
+    n: usize,
+    m: usize,
+    k: usize,
+    y: *mut f32,
+) {
+    let tiles = m.div_ceil(TILE_ROWS);
+    let mut r = 0;
+    for t in 0..tiles {
+        let (x, y) = (x.add(r * k), y.add(r));
+        let rows = (m - r).div_ceil(tiles - t);
+        match rows {
+            1 => weight_rows::<S, F, WIDE, 1>(x, w, row_bytes, n, m, k, y),
+            2 => weight_rows::<S, F, WIDE, 2>(x, w, row_bytes, n, m, k, y),
+            3 => weight_rows::<S, F, NARROW, 3>(x, w, row_bytes, n, m, k, y),
+            _ => weight_rows::<S, F, NARROW, TILE_ROWS>(x, w, row_bytes, n, m, k, y),
+        }
+        r += rows;
+    }
+}
+
+/// `R` input rows against every weight row, `B` weight rows at a time.
+///
+/// # Safety
+/// As for [`tiles`], with `x` `R` rows of `k` and `y` their first column.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weight_rows<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
     x: *const f32,
     w: *const u8,
     row_bytes: usize,
@@ -187,29 +224,16 @@ unsafe fn tiles<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
     y: *mut f32,
 ) {
     let full_n = n - n % B;
-    let at = |j: usize, r: usize| (x.add(r * k), w.add(j * row_bytes), y.add(j * m + r));
     for j in (0..full_n).step_by(B) {
-        let mut r = 0;
-        while r < m {
-            let (x, w, y) = at(j, r);
-            r += match m - r {
-                left if left >= R => dots::<S, F, B, R>(x, w, row_bytes, k, m, y),
-                3 => dots::<S, F, B, 3>(x, w, row_bytes, k, m, y),
-                2 => dots::<S, F, B, 2>(x, w, row_bytes, k, m, y),
-                _ => dots::<S, F, B, 1>(x, w, row_bytes, k, m, y),
-            };
-        }
+        dots::<S, F, B, R>(x, w.add(j * row_bytes), row_bytes, k, m, y.add(j * m));
     }
     for j in full_n..n {
-        for r in 0..m {
-            let (x, w, y) = at(j, r);
-            dots::<S, F, 1, 1>(x, w, row_bytes, k, m, y);
-        }
+        dots::<S, F, 1, R>(x, w.add(j * row_bytes), row_bytes, k, m, y.add(j * m));
     }
 }
 
 /// The `B × R` dot products of weight rows `w[0..B]` (blocks) with input
-/// rows `x[0..R]`, written to `y[b·m + r]`. Returns `R`.
+/// rows `x[0..R]`, written to `y[b·m + r]`.
 #[inline(always)]
 unsafe fn dots<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
     x: *const f32,
@@ -218,10 +242,14 @@ unsafe fn dots<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
     k: usize,
     m: usize,
     y: *mut f32,
-) -> usize {
+) {
     let bytes = F::FORMAT.bytes();
     let mut acc = [[S::zero(); R]; B];
     for block in 0..k / BLOCK {
+        // The same block of the next `B` weight rows, the next call's.
+        for b in 0..B {
+            S::prefetch(w.wrapping_add((2 * B + b) * row_bytes + block * bytes) as *const f32);
+        }
         for c in 0..BLOCK / S::WIDTH {
             let mut wv = [S::zero(); B];
             for (b, wv) in wv.iter_mut().enumerate() {
@@ -241,7 +269,6 @@ unsafe fn dots<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
             *y.add(b * m + r) = S::sum(acc);
         }
     }
-    R
 }
 
 // ------------------------------------------------------------ panels

@@ -93,13 +93,15 @@ pub(crate) fn matmul_t_with(
         // SAFETY: `rows` was built for `isa`, which runs here, from `x`
         // `[m, k]`; `w` holds `n` rows of `k > 0` (both checked above);
         // `cols` lies inside `0..n` and no two tasks share a column of `y`.
-        unsafe { run(isa, &rows, w, k, n, cols, out) }
+        UNPACKED.with_borrow_mut(|buffer| unsafe { run(isa, &rows, w, k, n, cols, out, buffer) })
     });
     Ok(y)
 }
 
 thread_local! {
-    /// The tile of weight rows unpacked from blocks, per thread.
+    /// The tile of weight rows unpacked from blocks, per thread. (Taken out
+    /// before the kernels: a closure inside a `target_feature` function does
+    /// not inherit its features, and the kernels would not inline.)
     static UNPACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -183,6 +185,7 @@ impl RowGroups {
 /// # Safety
 /// `rows` was built by `RowGroups::new(isa, ..)` from rows of `k > 0`;
 /// otherwise as for [`tiles`], with `isa` running here.
+#[allow(clippy::too_many_arguments)]
 unsafe fn run(
     isa: Isa,
     rows: &RowGroups,
@@ -191,20 +194,21 @@ unsafe fn run(
     n: usize,
     cols: Range<usize>,
     y: Out<f32>,
+    buffer: &mut Vec<f32>,
 ) {
     // Tile heights: `vectors × height` accumulators take most of the 32
     // (AVX-512) or 16 (AVX2) vector registers.
     match (isa, rows.vectors) {
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, 1) => avx512::<1, 24>(rows, w, k, n, cols, y),
+        (Isa::Avx512, 1) => avx512::<1, 24>(rows, w, k, n, cols, y, buffer),
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, _) => avx512::<2, 12>(rows, w, k, n, cols, y),
+        (Isa::Avx512, _) => avx512::<2, 12>(rows, w, k, n, cols, y, buffer),
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, 1) => avx2::<1, 12>(rows, w, k, n, cols, y),
+        (Isa::Avx2, 1) => avx2::<1, 12>(rows, w, k, n, cols, y, buffer),
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, _) => avx2::<2, 6>(rows, w, k, n, cols, y),
-        (Isa::Portable, 1) => tiles::<Scalar, 1, 8>(rows, w, k, n, cols, y),
-        (Isa::Portable, _) => tiles::<Scalar, 2, 8>(rows, w, k, n, cols, y),
+        (Isa::Avx2, _) => avx2::<2, 6>(rows, w, k, n, cols, y, buffer),
+        (Isa::Portable, 1) => tiles::<Scalar, 1, 8>(rows, w, k, n, cols, y, buffer),
+        (Isa::Portable, _) => tiles::<Scalar, 2, 8>(rows, w, k, n, cols, y, buffer),
     }
 }
 
@@ -217,8 +221,9 @@ unsafe fn avx512<const G: usize, const NR: usize>(
     n: usize,
     cols: Range<usize>,
     y: Out<f32>,
+    buffer: &mut Vec<f32>,
 ) {
-    tiles::<super::few_rows::x86::Avx512, G, NR>(rows, w, k, n, cols, y)
+    tiles::<super::few_rows::x86::Avx512, G, NR>(rows, w, k, n, cols, y, buffer)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -230,8 +235,9 @@ unsafe fn avx2<const G: usize, const NR: usize>(
     n: usize,
     cols: Range<usize>,
     y: Out<f32>,
+    buffer: &mut Vec<f32>,
 ) {
-    tiles::<super::few_rows::x86::Avx2, G, NR>(rows, w, k, n, cols, y)
+    tiles::<super::few_rows::x86::Avx2, G, NR>(rows, w, k, n, cols, y, buffer)
 }
 
 /// Columns `cols` of `y`: tiles of `NR` weight rows, then what is left in
@@ -249,6 +255,7 @@ unsafe fn tiles<S: Decode, const G: usize, const NR: usize>(
     n: usize,
     cols: Range<usize>,
     y: Out<f32>,
+    buffer: &mut Vec<f32>,
 ) {
     // The row groups' layout is what keeps `tile`'s reads in bounds: checked
     // once per task, not only in debug builds.
@@ -257,20 +264,20 @@ unsafe fn tiles<S: Decode, const G: usize, const NR: usize>(
         Weights::Blocks(b) => b.rows(),
     };
     assert!(rows.stride == G * S::WIDTH && rows.k == k && w_rows == n && cols.end <= n);
-    UNPACKED.with_borrow_mut(|buffer| {
-        let end = cols.end;
-        let mut j = cols.start;
-        while j < end {
-            let mut at = |count| weight_rows::<S>(w, j, count, k, buffer);
-            j += match end - j {
-                left if left >= NR => every_group::<S, G, NR>(rows, at(NR), n, j, y),
-                8.. => every_group::<S, G, 8>(rows, at(8), n, j, y),
-                4.. => every_group::<S, G, 4>(rows, at(4), n, j, y),
-                2.. => every_group::<S, G, 2>(rows, at(2), n, j, y),
-                _ => every_group::<S, G, 1>(rows, at(1), n, j, y),
-            };
-        }
-    })
+    let end = cols.end;
+    let mut j = cols.start;
+    while j < end {
+        // No closure here: it would not inherit the caller's target features.
+        j += match end - j {
+            left if left >= NR => {
+                every_group::<S, G, NR>(rows, weight_rows::<S>(w, j, NR, k, buffer), n, j, y)
+            }
+            8.. => every_group::<S, G, 8>(rows, weight_rows::<S>(w, j, 8, k, buffer), n, j, y),
+            4.. => every_group::<S, G, 4>(rows, weight_rows::<S>(w, j, 4, k, buffer), n, j, y),
+            2.. => every_group::<S, G, 2>(rows, weight_rows::<S>(w, j, 2, k, buffer), n, j, y),
+            _ => every_group::<S, G, 1>(rows, weight_rows::<S>(w, j, 1, k, buffer), n, j, y),
+        };
+    }
 }
 
 /// Columns `j..j + NR` (weight rows `w[0..NR]`) of every row group. Returns `NR`.

@@ -164,20 +164,28 @@ mod x86 {
 
     impl Unpack<Avx512> for Q4_1 {
         const FORMAT: BlockFormat = BlockFormat::Q4_1;
+        /// The block's 16 values `d·q + m` (q = 0..15) form a table; each
+        /// nibble picks its value from it (`vpermps` reads an index's low
+        /// four bits, so neither nibble needs masking).
         #[inline(always)]
         unsafe fn chunk(block: *const u8, c: usize) -> __m512 {
             let s = scales(block);
-            let (d, m) = (
+            let iota = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            );
+            let table = _mm512_fmadd_ps(
+                iota,
                 _mm512_broadcastss_ps(s),
                 _mm512_broadcastss_ps(_mm_movehdup_ps(s)),
             );
-            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(4) as *const __m128i));
-            let q = if c == 0 {
-                _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))
+            let bytes = _mm_loadu_si128(block.add(4) as *const __m128i);
+            let nibbles = if c == 0 {
+                bytes
             } else {
-                _mm512_srli_epi32::<4>(bytes)
+                _mm_srli_epi16::<4>(bytes)
             };
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m)
+            _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles), table)
         }
     }
 

@@ -252,6 +252,16 @@ pub fn generate_with(
     requests: Vec<GenRequest>,
     options: DecodeOptions,
 ) -> Result<(Vec<Generation>, DecodeStats)> {
+    super::in_pool(|| decode_batch(model, adapters, requests, options))
+}
+
+/// [`generate_with`], on a thread of rayon's pool.
+fn decode_batch(
+    model: &Llama,
+    adapters: &AdapterSet,
+    requests: Vec<GenRequest>,
+    options: DecodeOptions,
+) -> Result<(Vec<Generation>, DecodeStats)> {
     let top = options.top;
     adapters.check(&model.config)?;
     let context = model.config.max_position_embeddings;

@@ -70,10 +70,17 @@ impl TrainMemory {
             + lora.targets.len() * lora.rank
     }
 
-    /// Every value, at `weight_bytes` per frozen weight and `bytes` per other
-    /// value.
-    pub fn bytes(&self, weight_bytes: usize, bytes: usize) -> usize {
-        self.weights * weight_bytes + (self.adapters + self.activations + self.transients) * bytes
+    /// Every value, at `weight_bytes` per frozen weight (4 in f32, 2 in
+    /// bf16; a weight kept in its GGUF block takes the block's share,
+    /// [`BlockFormat::bytes_per_value`]: 0.625 in Q4_1) and `bytes` per other
+    /// value. Weights in blocks add no transient of their own: the kernels
+    /// unpack them in registers, or a panel at a time (at most half a MB per
+    /// thread, [`crate::base::native`]).
+    ///
+    /// [`BlockFormat::bytes_per_value`]: crate::base::blocks::BlockFormat::bytes_per_value
+    pub fn bytes(&self, weight_bytes: f64, bytes: usize) -> usize {
+        (self.weights as f64 * weight_bytes).ceil() as usize
+            + (self.adapters + self.activations + self.transients) * bytes
     }
 }
 
@@ -128,9 +135,9 @@ mod tests {
         let m = TrainMemory::estimate(&cfg, &lora, 8, 2048);
         // 7.6 B frozen weights (bias and norms aside).
         assert!((7.6e9..7.7e9).contains(&(m.weights as f64)), "{m:?}");
-        let f32_total = m.bytes(4, 4) as f64 / GB;
-        let bf16_weights = m.bytes(2, 4) as f64 / GB;
-        let bf16_total = m.bytes(2, 2) as f64 / GB;
+        let f32_total = m.bytes(4.0, 4) as f64 / GB;
+        let bf16_weights = m.bytes(2.0, 4) as f64 / GB;
+        let bf16_total = m.bytes(2.0, 2) as f64 / GB;
         eprintln!(
             "7B, 4 + 4 adapters of rank 32, 2048-token micro-batches: weights {:.1} GB f32, \
              adapters and gradients {:.1} GB, activations {:.1} GB, transients {:.1} GB (f32); \
@@ -143,5 +150,39 @@ mod tests {
         );
         assert!((45.0..60.0).contains(&f32_total), "{f32_total}");
         assert!(bf16_weights < f32_total - 15.0 && bf16_total < 30.0);
+    }
+
+    /// The same shape with its frozen weights kept in Q4_1 blocks (20 bytes
+    /// per 32 weights), against this machine's 23 GiB: the weights take
+    /// 4.8 GB instead of 30 in f32; the paper's setting (8 adapters of rank
+    /// 32, 2048-token micro-batches) is then bound by its f32 activations,
+    /// while 2 + 2 adapters of rank 16 in 512-token micro-batches fit.
+    #[test]
+    fn a_7b_base_in_q4_1_against_this_machines_memory() {
+        use crate::base::blocks::BlockFormat;
+        let cfg = qwen_coder_7b();
+        let q4_1 = BlockFormat::Q4_1.bytes_per_value();
+        let machine = 23.0 * (1u64 << 30) as f64 / GB;
+        let mut fits = Vec::new();
+        for (adapters, rank, tokens) in [(8, 32, 2048), (4, 16, 1024), (4, 16, 512)] {
+            let lora = LoraConfig {
+                rank,
+                ..LoraConfig::default()
+            };
+            let m = TrainMemory::estimate(&cfg, &lora, adapters, tokens);
+            let total = m.bytes(q4_1, 4) as f64 / GB;
+            eprintln!(
+                "7B in Q4_1, {adapters} adapters of rank {rank}, {tokens}-token micro-batches: \
+                 weights {:.1} GB, adapters and gradients {:.1} GB, activations {:.1} GB, \
+                 transients {:.1} GB: {total:.1} GB of this machine's {machine:.1}",
+                m.weights as f64 * q4_1 / GB,
+                m.adapters as f64 * 4.0 / GB,
+                m.activations as f64 * 4.0 / GB,
+                m.transients as f64 * 4.0 / GB,
+            );
+            assert!((4.7..4.9).contains(&(m.weights as f64 * q4_1 / GB)));
+            fits.push(total < machine);
+        }
+        assert_eq!(fits, [false, true, true]);
     }
 }

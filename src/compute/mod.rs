@@ -52,6 +52,17 @@ impl Backward {
     }
 }
 
+/// `f`, run on a thread of rayon's pool (inline when called from one). Every
+/// kernel of a pass splits its work over the pool: started from inside it, a
+/// parallel loop hands work to the other threads directly; started from
+/// outside (the broker's thread, a CLI's main thread), each of the ~250
+/// loops of a SmolLM2 decode step wakes the pool and waits on a condvar for
+/// it, a cost that grows with the machine's load. Where code runs changes
+/// no result.
+pub(crate) fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}
+
 /// Errors of batched compute.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

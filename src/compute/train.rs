@@ -405,6 +405,16 @@ pub fn logprobs(
     rows: &[ScoreRow],
     micro_batch_tokens: usize,
 ) -> Result<Vec<Vec<f32>>> {
+    super::in_pool(|| score_in_pool(model, adapters, rows, micro_batch_tokens))
+}
+
+/// [`logprobs`], on a thread of rayon's pool.
+fn score_in_pool(
+    model: &Llama,
+    adapters: &AdapterSet,
+    rows: &[ScoreRow],
+    micro_batch_tokens: usize,
+) -> Result<Vec<Vec<f32>>> {
     adapters.check(&model.config)?;
     for (i, r) in rows.iter().enumerate() {
         if r.score_from == 0 || r.score_from > r.tokens.len() {
@@ -521,6 +531,17 @@ pub fn train_step(
 
 /// [`train_step`] with the backward named (the tape refuses a model off the CPU).
 pub fn train_step_with(
+    model: &Llama,
+    adapters: &AdapterSet,
+    rows: &[TrainRow],
+    config: TrainConfig,
+    backward: Backward,
+) -> Result<TrainOutput> {
+    super::in_pool(|| train_in_pool(model, adapters, rows, config, backward))
+}
+
+/// [`train_step_with`], on a thread of rayon's pool.
+fn train_in_pool(
     model: &Llama,
     adapters: &AdapterSet,
     rows: &[TrainRow],

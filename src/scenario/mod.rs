@@ -115,8 +115,8 @@ pub struct ModelSection {
     /// 16-bit under `"native"` (F32 ones stay f32); with `device = "cuda"`
     /// the base is f32 on the device either way. A recorded `scenario.toml`
     /// without this key (a run older than it) means `"f32"`, so `replay` and
-    /// `resume` reproduce it. Default: `"f32"` until `"native"` is measured
-    /// faster side by side (`bench generate --weights native,f32`; issue 55).
+    /// `resume` reproduce it. Default: `"native"` (3× f32's decode at batch
+    /// 1, BENCHMARKS.md).
     pub weights: WeightsSetting,
 }
 
@@ -126,7 +126,7 @@ impl Default for ModelSection {
             source: ModelSource::Default,
             tiny: None,
             device: "cpu".into(),
-            weights: WeightsSetting::F32,
+            weights: WeightsSetting::Native,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Scenario schema: malformed files, defaults, the resolved copy, the shipped files.
 
-use populora::base::Target;
+use populora::base::{Target, WeightsSetting};
 use populora::scenario::experiment::Experiment;
 use populora::scenario::{
     parse_member_id, AdvantageGroups, ErrorKind, EventAction, Fitness, Injection, Mode,
@@ -225,6 +225,8 @@ const CASES: &[Case] = &[
      Some("events[0].inject.role"), 5, "cannot be injected"),
     ("inject with unknown operator", "seed = 1\nsteps = 4\n[[events]]\nat = 1\n[events.inject]\nrole = \"student\"\nop = \"bogus\"\n",
      Some("events[0].inject.op"), 7, "unknown operator `bogus`"),
+    ("unknown weights", "seed = 1\nsteps = 2\n[model]\nweights = \"q4\"\n",
+     Some("model.weights"), 4, "native"),
     ("inject unknown role", "seed = 1\nsteps = 4\n[[events]]\nat = 1\ninject = { role = \"coach\" }\n",
      Some("events[0].inject.role"), 5, "allowed: teacher, student"),
 ];
@@ -307,6 +309,7 @@ fn defaults() {
     assert_eq!((s.seed, s.steps), (3, 10));
     assert_eq!(s.model.source, ModelSource::Default);
     assert_eq!(s.model.tiny, None);
+    assert_eq!(s.model.weights, WeightsSetting::Native);
     assert_eq!((s.lora.rank, s.lora.alpha, s.lora.rslora), (8, 16.0, false));
     assert_eq!(s.lora.targets, Target::ALL.to_vec());
     let p = &s.population;
@@ -485,6 +488,7 @@ fn to_toml_round_trips() {
     for scenario in scenarios {
         let text = scenario.to_toml();
         for key in [
+            "weights = \"native\"",
             "micro_batch_tokens",
             "induction_shown",
             "memory_mb",
@@ -853,4 +857,37 @@ fn never_panics_on_mutated_input() {
         parsed > 100,
         "too few mutants parsed ({parsed}); the fuzz is not reaching validation"
     );
+}
+
+/// A recorded scenario.toml keeps the run's `[model] weights`; one written
+/// before the key existed means f32 (so `replay` and `resume` of older runs
+/// stay bit-identical), while a new scenario without it means native.
+#[test]
+fn recorded_scenarios_without_weights_mean_f32() {
+    let dir = std::env::temp_dir().join(format!("populora-weights-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let recorded = dir.join("scenario.toml");
+    let new = parse("seed = 1\nsteps = 2\n").unwrap();
+    assert_eq!(new.model.weights, WeightsSetting::Native);
+    let text = new.to_toml();
+    std::fs::write(&recorded, &text).unwrap();
+    let again = Scenario::from_recorded_file(&recorded, check_operator).unwrap();
+    assert_eq!(again.model.weights, WeightsSetting::Native);
+    let older: String = text
+        .lines()
+        .filter(|l| !l.starts_with("weights ="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_ne!(older, text);
+    std::fs::write(&recorded, &older).unwrap();
+    let old = Scenario::from_recorded_file(&recorded, check_operator).unwrap();
+    assert_eq!(old.model.weights, WeightsSetting::F32);
+    assert_eq!(
+        Scenario::from_file(&recorded, check_operator)
+            .unwrap()
+            .model
+            .weights,
+        WeightsSetting::Native
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

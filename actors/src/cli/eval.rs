@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use populora::base::WeightsSetting;
 use populora::eval::math::MathPrompt;
 use populora::scenario::{check_operator, Scenario};
 use populora::verify::{SandboxConfig, VerifierPool};
@@ -90,6 +91,10 @@ pub struct Args {
     /// Without DIR: the seed of the sampling streams (with --samples > 1).
     #[arg(long, default_value_t = 0, conflicts_with = "dir")]
     pub seed: u64,
+    /// Without DIR: how the base keeps its weights (`[model] weights`):
+    /// `native` or `f32` (with DIR, the run's scenario decides).
+    #[arg(long, default_value = "native", value_parser = super::generate::parse_weights, conflicts_with = "dir")]
+    pub weights: WeightsSetting,
     /// Score the answers recorded in this items.jsonl again instead of
     /// generating (every row of the file, each benchmark of --benchmarks);
     /// with --out for the files.
@@ -160,8 +165,9 @@ impl Args {
         };
         let device = quoted(&self.device);
         let text = format!(
-            "name = \"base-model\"\nseed = {}\nsteps = 1\n[model]\nsource = {source}\ndevice = {device}\n",
-            self.seed
+            "name = \"base-model\"\nseed = {}\nsteps = 1\n[model]\nsource = {source}\ndevice = {device}\nweights = {:?}\n",
+            self.seed,
+            self.weights.name()
         );
         Ok(Scenario::parse(&text, "eval --base", check_operator)?)
     }

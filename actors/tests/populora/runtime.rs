@@ -978,3 +978,64 @@ fn a_scripted_kill_leaving_one_teacher_with_one_proposal_per_kind_is_refused() {
     assert!(!journal.contains(r#""event":"kill""#), "{journal}");
     assert!(end_line(&out).contains(r#""teacher-0":"#));
 }
+
+/// `[model] weights`: a run on a GGUF kept in its blocks (a tiny model
+/// quantized as the default GGUF is: Q4_1 projections, Q8_0 embedding)
+/// records `weights = "native"` and replays bit for bit; and a recorded
+/// scenario without the key, as runs older than it have, replays as f32.
+/// (The two runs' bits are not compared: on rows this short both settings
+/// may sum in the same order.)
+#[test]
+fn native_weights_replay_and_older_scenarios_replay_in_f32() {
+    use populora::base::blocks::BlockFormat;
+    use populora::base::{gguf, tiny};
+    let models = scratch("native-gguf");
+    std::fs::create_dir_all(&models).unwrap();
+    let spec = tiny::TinySpec {
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 96,
+        max_positions: 1536,
+        ..tiny::TinySpec::default()
+    };
+    let (model, vocab) = tiny::build(&spec).unwrap();
+    let path = models.join("tiny-q4_1.gguf");
+    gguf::GgufContents::of(&model, &vocab)
+        .unwrap()
+        .write_as(&path, BlockFormat::Q4_1.ggml(), BlockFormat::Q8_0.ggml())
+        .unwrap();
+    let text = std::fs::read_to_string(scenario("tiny.toml")).unwrap();
+    let (head, rest) = text.split_once("[model]").unwrap();
+    let (_, tail) = rest.split_once("[lora]").unwrap();
+    let run = |weights: &str| {
+        let file = models.join(format!("{weights}.toml"));
+        let model = format!(
+            "[model]\nsource = {:?}\nweights = {weights:?}\n\n",
+            path.display().to_string()
+        );
+        std::fs::write(&file, format!("{head}{model}[lora]{tail}")).unwrap();
+        let dir = scratch(&format!("weights-{weights}"));
+        run_to(&dir, &file);
+        dir
+    };
+    let (native, f32) = (run("native"), run("f32"));
+    let recorded = std::fs::read_to_string(native.join("scenario.toml")).unwrap();
+    assert!(recorded.contains("weights = \"native\""), "{recorded}");
+    let replay = |dir: &Path| {
+        ok(populora(&["replay", dir.to_str().unwrap()])
+            .output()
+            .unwrap())
+    };
+    assert!(replay(&native).contains("replay matches"));
+    // Without the key, as a run recorded before it existed.
+    let scenario_file = f32.join("scenario.toml");
+    let older: String = std::fs::read_to_string(&scenario_file)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("weights ="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&scenario_file, older).unwrap();
+    assert!(replay(&f32).contains("replay matches"));
+}
