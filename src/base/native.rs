@@ -132,8 +132,8 @@ unsafe fn few_rows_task(
     }
 }
 
-// Tile shapes: every input row (up to 8) in one tile, so each weight is
-// unpacked once; `WIDE` weight rows at a time for one or two input rows,
+// Tile shapes: input rows in tiles of up to `TILE_ROWS` (each weight is
+// unpacked once per tile); `WIDE` weight rows at a time for one or two input rows,
 // `NARROW` for more, so that the accumulators, the unpacked weights and one
 // input vector fit the 32 (AVX-512) or 16 (AVX2) registers.
 
@@ -175,6 +175,8 @@ unsafe fn few_rows_avx2(
 /// 45 ms of one thread's time for SmolLM2's decode step against 57–61 for
 /// one tile of 8).
 const TILE_ROWS: usize = 4;
+// `tiles` has an arm per tile height up to 4: a taller tile needs more arms.
+const _: () = assert!(TILE_ROWS == 4);
 
 /// All of `y` (`[n, m]`, transposed): tiles of up to [`TILE_ROWS`] input
 /// rows (as even as they can be), each against every weight row.
@@ -246,7 +248,9 @@ unsafe fn dots<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
     let bytes = F::FORMAT.bytes();
     let mut acc = [[S::zero(); R]; B];
     for block in 0..k / BLOCK {
-        // The same block of the next `B` weight rows, the next call's.
+        // The same block of the weight rows two calls ahead (rows
+        // `2B..3B` from here): of one, two and four calls ahead, two
+        // decoded fastest at batch 1 (BENCHMARKS.md, "Native weights").
         for b in 0..B {
             S::prefetch(w.wrapping_add((2 * B + b) * row_bytes + block * bytes) as *const f32);
         }

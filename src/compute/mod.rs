@@ -57,8 +57,8 @@ impl Backward {
 /// parallel loop hands work to the other threads directly; started from
 /// outside (the broker's thread, a CLI's main thread), each of the ~250
 /// loops of a SmolLM2 decode step wakes the pool and waits on a condvar for
-/// it, a cost that grows with the machine's load. Where code runs changes
-/// no result.
+/// it (not measured apart: BENCHMARKS.md's figures include it). Where code
+/// runs changes no result.
 pub(crate) fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     rayon::scope(|_| f())
 }

@@ -115,8 +115,8 @@ pub struct ModelSection {
     /// 16-bit under `"native"` (F32 ones stay f32); with `device = "cuda"`
     /// the base is f32 on the device either way. A recorded `scenario.toml`
     /// without this key (a run older than it) means `"f32"`, so `replay` and
-    /// `resume` reproduce it. Default: `"native"` (3× f32's decode at batch
-    /// 1, BENCHMARKS.md).
+    /// `resume` reproduce it. Default: `"native"` (about 3× f32's decode at
+    /// batch 1, BENCHMARKS.md).
     pub weights: WeightsSetting,
 }
 
