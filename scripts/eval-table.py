@@ -2,7 +2,7 @@
 """pass@1 of every row on every benchmark of one or more evaluations, with
 95 % intervals from a bootstrap over problems, as a Markdown table.
 
-    python3 scripts/eval-table.py OUT/eval/items.jsonl [...] [--resamples N] [--seed S]
+    python3 scripts/eval-table.py OUT/eval/items.jsonl[.gz] [...] [--resamples N] [--seed S]
 
 Each item is a problem's answers (its task id: a CRUXEval function's O and
 I items are different benchmarks, so each benchmark resamples its own
@@ -15,6 +15,7 @@ bound 3/n (95 % one-sided) there. HumanEval+ and MBPP+ rows also give the
 base-inputs score (`base_passed`).
 """
 import argparse
+import gzip
 import json
 import random
 from collections import defaultdict
@@ -24,7 +25,7 @@ def load(paths):
     """(benchmark, row) -> task -> [passed per sample]; the same for base."""
     scores, base = defaultdict(lambda: defaultdict(list)), defaultdict(lambda: defaultdict(list))
     for path in paths:
-        with open(path) as fh:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as fh:
             for line in fh:
                 r = json.loads(line)
                 key = (r["benchmark"], r["member"])
