@@ -23,10 +23,17 @@ BENCHMARKS = {
     "humaneval": "HumanEval pass@1",
     "humaneval-io-output": "HumanEval-IO output prediction",
     "humaneval-io-input": "HumanEval-IO input prediction",
+    "cruxeval-i": "CRUXEval-I (input prediction)",
+    "cruxeval-o": "CRUXEval-O (output prediction)",
 }
 MATCHINGS = {
     "per_adapter": "per adapter (baseline at one member's share of the compute: the paper's matching)",
     "total": "whole population (baseline at the population's whole compute: the strict matching)",
+}
+# The baseline's rows in eval/items.jsonl, by matching, and how the tables name them.
+BASELINE_ROWS = {
+    "per_adapter": ("baseline-per-adapter/", "baseline at the per-adapter mark"),
+    "total": ("baseline/", "baseline at its end"),
 }
 
 
@@ -45,22 +52,34 @@ def tflop(compute):
 
 
 def compute_table(summary):
-    print("| seed | seeding | population | baseline (whole-population matching) | per-adapter mark |")
-    print("|---|---|---|---|---|")
+    print("| seed | seeding | population | baseline | per-adapter mark | whole-population mark |")
+    print("|---|---|---|---|---|---|")
     for s in summary["seeds"]:
-        p, b, m, sd = s["population"], s["baseline"], s["mark"], s.get("seeding")
+        p, b, sd = s["population"], s["baseline"], s.get("seeding")
         seeding = (f"{tflop(sd['compute']):.1f} TFLOP, {sd['valid']}/{sd['proposals']} valid "
                    f"in {sd['rounds']} rounds") if sd else "-"
         gap = tflop(b["compute"]) / tflop(p["compute"]) - 1
-        mark_gap = m["spent_tflop"] / m["target_tflop"] - 1
+        marks = [mark_cell(s.get(key)) for key in ("mark", "total_mark")]
         print(f"| {s['seed']} | {seeding} "
               f"| {p['steps']} steps, {tflop(p['compute']):.1f} TFLOP, {p['wall_s'] / 3600:.2f} h "
-              f"| {b['steps']} steps, {tflop(b['compute']):.1f} TFLOP ({100 * gap:+.2f} %), "
-              f"{b['wall_s'] / 3600:.2f} h "
-              f"| step {m['step']}: {m['spent_tflop']:.2f} of {m['target_tflop']:.2f} TFLOP "
-              f"({100 * mark_gap:+.2f} %) |")
+              f"| {b['steps']} steps, {tflop(b['compute']):.1f} TFLOP ({100 * gap:+.2f} % of the population's), "
+              f"{b['wall_s'] / 3600:.2f} h | {marks[0]} | {marks[1]} |")
     e = summary["evaluation"]
     print(f"\nEvaluation: {e['rows']} rows, {e['answers']} answers, {e['wall_s'] / 3600:.2f} h.")
+
+
+def mark_cell(m):
+    """A compute mark: its step and its spending against its target; `-` when that
+    matching was not run (experiment.json's `null`)."""
+    if m is None:
+        return "-"
+    gap = m["spent_tflop"] / m["target_tflop"] - 1
+    return f"step {m['step']}: {m['spent_tflop']:.2f} of {m['target_tflop']:.2f} TFLOP ({100 * gap:+.2f} %)"
+
+
+def matchings_run(summary):
+    """The matchings the experiment compared, in MATCHINGS' order."""
+    return [m for m in MATCHINGS if comparisons(summary, m)]
 
 
 def comparisons(summary, matching):
@@ -140,19 +159,21 @@ def against_base(records, summary, resamples):
                  f"{summary['report_problems']}; they must agree")
     counts = tallies(records, reported)
     seeds = [s["seed"] for s in summary["seeds"]]
-    arms = {
-        "members, mean": lambda b, s: [counts[(b, f"seed-{s}/{m}")] for m, _ in members(summary, b, s)],
-        "baseline at the per-adapter mark": lambda b, s: [solo(counts, b, f"seed-{s}/baseline-per-adapter/")],
-        "baseline at its end": lambda b, s: [solo(counts, b, f"seed-{s}/baseline/")],
-    }
-    benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
+    arms = {"members, mean": lambda b, s: [counts[(b, f"seed-{s}/{m}")] for m, _ in members(summary, b, s)]}
+    for matching in matchings_run(summary):
+        prefix, label = BASELINE_ROWS[matching]
+        arms[label] = lambda b, s, prefix=prefix: [solo(counts, b, f"seed-{s}/{prefix}")]
+    benchmarks = [c["benchmark"] for c in comparisons(summary, matchings_run(summary)[0])]
     every = list(range(len(reported)))
-    for c in comparisons(summary, "total"):
-        for r in c["per_seed"]:
-            mine = score(solo(counts, c["benchmark"], f"seed-{r['seed']}/baseline/"), every)
-            if abs(mine - r["baseline"]) > 1e-9:
-                sys.exit(f"{c['benchmark']}, seed {r['seed']}: the baseline scores {mine} on eval/items.jsonl's "
-                         f"reported problems but {r['baseline']} in experiment.json; they must agree")
+    for matching in matchings_run(summary):
+        prefix = BASELINE_ROWS[matching][0]
+        for c in comparisons(summary, matching):
+            for r in c["per_seed"]:
+                mine = score(solo(counts, c["benchmark"], f"seed-{r['seed']}/{prefix}"), every)
+                if abs(mine - r["baseline"]) > 1e-9:
+                    sys.exit(f"{c['benchmark']}, seed {r['seed']}: the {matching} baseline scores {mine} on "
+                             f"eval/items.jsonl's reported problems but {r['baseline']} in experiment.json; "
+                             "they must agree")
     print("| | " + " | ".join(BENCHMARKS.get(b, b) for b in benchmarks) + " |")
     print("|---" * (len(benchmarks) + 1) + "|")
     for arm, rows_of in arms.items():
@@ -182,7 +203,7 @@ def solo(counts, benchmark, prefix):
 
 
 def members(summary, benchmark, seed):
-    c = next(c for c in comparisons(summary, "total") if c["benchmark"] == benchmark)
+    c = next(c for c in comparisons(summary, matchings_run(summary)[0]) if c["benchmark"] == benchmark)
     return next(r for r in c["per_seed"] if r["seed"] == seed)["members"]
 
 
@@ -195,14 +216,13 @@ def unchanged(records, summary):
         print("Not computed: the answers were sampled, not greedy.")
         return
     base = answers["base model"]
-    benchmarks = [c["benchmark"] for c in comparisons(summary, "total")]
+    benchmarks = [c["benchmark"] for c in comparisons(summary, matchings_run(summary)[0])]
     seeds = [s["seed"] for s in summary["seeds"]]
     members_of = {f"seed-{s}/{m}" for s in seeds for m, _ in members(summary, benchmarks[0], s)}
-    arms = {
-        "members": lambda name: name in members_of,
-        "baseline at the per-adapter mark": lambda name: name.startswith("seed-") and "/baseline-per-adapter/" in name,
-        "baseline at its end": lambda name: name.startswith("seed-") and "/baseline/" in name,
-    }
+    arms = {"members": lambda name: name in members_of}
+    for matching in matchings_run(summary):
+        prefix, label = BASELINE_ROWS[matching]
+        arms[label] = lambda name, prefix=prefix: name.startswith("seed-") and f"/{prefix}" in name
     print("| share of answers identical to the base model's | " + " | ".join(benchmarks) + " |")
     print("|---" * (len(benchmarks) + 1) + "|")
     for arm, chosen in arms.items():

@@ -22,6 +22,7 @@ use super::{raster, svg, ReportError};
 use crate::compute::Cost;
 use crate::eval::compare::Difference;
 use crate::run_files::MetricsLine;
+pub use crate::scenario::experiment::Matching;
 use crate::scenario::experiment::MATCH_TOLERANCE;
 
 /// What an experiment produced (`DIR/experiment.json`).
@@ -59,13 +60,27 @@ pub struct SeedRuns {
     /// Live members of the population at its end (teachers and students).
     pub members: usize,
     pub baseline: RunTotals,
-    /// Where the baseline had spent what one population member spent.
-    pub mark: ComputeMark,
+    /// Where the baseline had spent what one population member spent
+    /// (`None` when the experiment's `matching` leaves it out).
+    #[serde(default)]
+    pub mark: Option<ComputeMark>,
     /// Where the baseline had spent what the whole population spent: the
-    /// nearer of its last step and the one before it.
-    pub total_mark: ComputeMark,
+    /// nearer of its last step and the one before it (`None` when the
+    /// experiment's `matching` leaves it out).
+    #[serde(default)]
+    pub total_mark: Option<ComputeMark>,
     /// What each arm trained on, up to its evaluated step.
     pub trained: ArmsTrained,
+}
+
+impl SeedRuns {
+    /// The baseline's compute mark under `matching`, if it was run.
+    pub fn mark(&self, matching: Matching) -> Option<&ComputeMark> {
+        match matching {
+            Matching::PerAdapter => self.mark.as_ref(),
+            Matching::Total => self.total_mark.as_ref(),
+        }
+    }
 }
 
 /// What each evaluated arm trained on: FLOPs are the matching rule, and
@@ -73,9 +88,22 @@ pub struct SeedRuns {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ArmsTrained {
     pub population: TrainedOn,
-    /// The baseline up to its per-adapter mark, and up to its total mark.
-    pub baseline_per_adapter: TrainedOn,
-    pub baseline_total: TrainedOn,
+    /// The baseline up to its per-adapter mark, and up to its total mark
+    /// (each `None` when the experiment's `matching` leaves it out).
+    #[serde(default)]
+    pub baseline_per_adapter: Option<TrainedOn>,
+    #[serde(default)]
+    pub baseline_total: Option<TrainedOn>,
+}
+
+impl ArmsTrained {
+    /// The baseline up to its mark under `matching`, if it was run.
+    pub fn baseline(&self, matching: Matching) -> Option<&TrainedOn> {
+        match matching {
+            Matching::PerAdapter => self.baseline_per_adapter.as_ref(),
+            Matching::Total => self.baseline_total.as_ref(),
+        }
+    }
 }
 
 /// A run's rollouts and updates up to one of its steps (`metrics.jsonl`).
@@ -173,28 +201,6 @@ impl ComputeMark {
     /// How far the spending is from the target, as a fraction of the target.
     pub fn gap(&self) -> f64 {
         (self.spent_tflop - self.target_tflop) / self.target_tflop.max(f64::MIN_POSITIVE)
-    }
-}
-
-/// How much compute the baseline row got.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Matching {
-    /// What one population member spent: the population's total over its
-    /// members (the paper's comparison).
-    PerAdapter,
-    /// What the whole population spent (the stricter test).
-    Total,
-}
-
-impl Matching {
-    pub const BOTH: [Matching; 2] = [Matching::PerAdapter, Matching::Total];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Matching::PerAdapter => "per adapter",
-            Matching::Total => "whole population",
-        }
     }
 }
 
@@ -305,20 +311,28 @@ pub fn text(summary: &ExperimentSummary) -> String {
     let mut out = String::new();
     for s in &summary.seeds {
         let (p, b) = (&s.population, &s.baseline);
+        let marks: String = Matching::BOTH
+            .iter()
+            .filter_map(|&m| Some((m, s.mark(m)?)))
+            .map(|(m, mark)| {
+                format!(
+                    ", baseline matched {} {:.2} of {:.2} TFLOP at step {} ({:+.1} %)",
+                    m.name(),
+                    mark.spent_tflop,
+                    mark.target_tflop,
+                    mark.step,
+                    100.0 * mark.gap()
+                )
+            })
+            .collect();
         let _ = writeln!(
             out,
-            "seed {}: compute: population {:.2} TFLOP in {} steps, baseline {:.2} TFLOP at step {} of its {} ({:+.1} %), per-adapter mark {:.2} of {:.2} TFLOP at step {} ({:+.1} %){}",
+            "seed {}: compute: population {:.2} TFLOP in {} steps, baseline {:.2} TFLOP in {} steps{marks}{}",
             s.seed,
             p.compute.flops / 1e12,
             p.steps,
-            s.total_mark.spent_tflop,
-            s.total_mark.step,
+            b.compute.flops / 1e12,
             b.steps,
-            100.0 * s.total_mark.gap(),
-            s.mark.spent_tflop,
-            s.mark.target_tflop,
-            s.mark.step,
-            100.0 * s.mark.gap(),
             s.seeding.as_ref().map_or(String::new(), |sd| format!(
                 "; seeding {:.2} TFLOP apart",
                 sd.compute.flops / 1e12
@@ -409,19 +423,21 @@ fn page(summary: &ExperimentSummary, dir: &Path) -> String {
     for matching in Matching::BOTH {
         eval_table(&mut out, summary, matching);
     }
-    out.push_str("<figure><img src=\"members.svg\" alt=\"members against the baselines\"/><figcaption>Each benchmark's population members of every seed, sorted by score, against the baselines (black: whole-population matching, dashed: per adapter) and the base model (grey), on the reported problems.</figcaption></figure>\n");
+    out.push_str("<figure><img src=\"members.svg\" alt=\"members against the baselines\"/><figcaption>Each benchmark's population members of every seed, sorted by score, against the baselines (black: whole-population matching, dashed: per adapter; black alone: per adapter, where it is the only matching run) and the base model (grey), on the reported problems.</figcaption></figure>\n");
     dynamics(&mut out, summary, dir);
     out.push_str("</main>\n</body>\n</html>\n");
     out
 }
 
-/// Each arm's rows of what it trained on, labelled.
-fn arms(s: &SeedRuns) -> [(&'static str, &TrainedOn); 3] {
-    [
-        ("population", &s.trained.population),
-        ("baseline per adapter", &s.trained.baseline_per_adapter),
-        ("baseline whole population", &s.trained.baseline_total),
-    ]
+/// Each arm's rows of what it trained on, labelled: the population, then
+/// the baseline under each matching that was run.
+fn arms(s: &SeedRuns) -> Vec<(String, &TrainedOn)> {
+    let baselines = Matching::BOTH
+        .iter()
+        .filter_map(|&m| Some((format!("baseline {}", m.name()), s.trained.baseline(m)?)));
+    std::iter::once(("population".to_string(), &s.trained.population))
+        .chain(baselines)
+        .collect()
 }
 
 /// What an arm's FLOPs bought, as cells: steps, rollouts, those with a
@@ -446,7 +462,7 @@ fn trained_cells(t: &TrainedOn) -> [String; 5] {
 }
 
 /// What the FLOPs bought: one line per arm, `(label, text)`.
-fn trained_lines(s: &SeedRuns) -> Vec<(&'static str, String)> {
+fn trained_lines(s: &SeedRuns) -> Vec<(String, String)> {
     arms(s)
         .into_iter()
         .map(|(label, t)| {
@@ -504,10 +520,8 @@ fn compute_table(out: &mut String, summary: &ExperimentSummary) {
                 c.computed_trained_tokens,
             );
         }
-        for (label, mark) in [
-            ("baseline per adapter", &s.mark),
-            ("baseline whole population", &s.total_mark),
-        ] {
+        for (matching, mark) in Matching::BOTH.iter().filter_map(|&m| Some((m, s.mark(m)?))) {
+            let label = format!("baseline {}", matching.name());
             let _ = writeln!(
                 out,
                 "<tr><td>{}</td><td>{label} (step {})</td><td class=\"num\">{}</td><td class=\"num\">{:.2} of {:.2} ({:+.2} %)</td><td class=\"num\">–</td><td class=\"num\">–</td><td class=\"num\">–</td></tr>",
@@ -523,7 +537,7 @@ fn compute_table(out: &mut String, summary: &ExperimentSummary) {
     let e = &summary.evaluation;
     let _ = writeln!(
         out,
-        "</table>\n<p class=\"small\">The baseline ran until it had spent what the whole population spent; the whole-population row is the nearer of its last step and the one before, and the per-adapter row its step nearest what one member spent (the population's total over its members), both chosen after the fact among checkpoints kept around each target. Both within ±{:.0} %. FLOPs of the frozen base's forward and input-gradient backward, 2 per multiply-add, each shared prompt counted once (metrics.jsonl's <code>compute</code>); the seeding stage is reported apart and matched by neither. Evaluation: {} rows, {} answers, {:.0} min.</p>",
+        "</table>\n<p class=\"small\">The baseline ran until it had spent what the whole population spent (with the per-adapter matching alone, what one member spent); the whole-population row is the nearer of its last step and the one before, and the per-adapter row its step nearest what one member spent (the population's total over its members), each chosen after the fact among checkpoints kept around its target, within ±{:.0} %. FLOPs of the frozen base's forward and input-gradient backward, 2 per multiply-add, each shared prompt counted once (metrics.jsonl's <code>compute</code>); the seeding stage is reported apart and matched by neither. Evaluation: {} rows, {} answers, {:.0} min.</p>",
         100.0 * MATCH_TOLERANCE,
         e.rows,
         e.answers,
@@ -622,8 +636,10 @@ fn dynamics(out: &mut String, summary: &ExperimentSummary, dir: &Path) {
     }
 }
 
-/// Per benchmark (whole-population matching), every seed's members sorted
-/// (x: rank), with each seed's baselines and the base model as flat lines.
+/// Per benchmark, every seed's members sorted (x: rank), with each seed's
+/// baselines (solid: the whole-population matching where it was run, else
+/// the per-adapter one; dashed: the per-adapter one beside it) and the base
+/// model as flat lines.
 fn members_chart(summary: &ExperimentSummary) -> LineChart {
     let by_benchmark = |matching| {
         summary
@@ -631,10 +647,20 @@ fn members_chart(summary: &ExperimentSummary) -> LineChart {
             .iter()
             .filter(move |c| c.matching == matching)
     };
-    let per_adapter: BTreeMap<&str, &Comparison> = by_benchmark(Matching::PerAdapter)
+    let ran_total = summary
+        .comparisons
+        .iter()
+        .any(|c| c.matching == Matching::Total);
+    let (solid, dashed) = match ran_total {
+        true => (Matching::Total, Some(Matching::PerAdapter)),
+        false => (Matching::PerAdapter, None),
+    };
+    let per_adapter: BTreeMap<&str, &Comparison> = dashed
+        .into_iter()
+        .flat_map(by_benchmark)
         .map(|c| (c.benchmark.as_str(), c))
         .collect();
-    let panels = by_benchmark(Matching::Total)
+    let panels = by_benchmark(solid)
         .map(|c| {
             let n = summary
                 .seeds
@@ -665,7 +691,7 @@ fn members_chart(summary: &ExperimentSummary) -> LineChart {
                     end: EndMark::None,
                 });
                 series.push(flat(
-                    format!("seed {} baseline", row.seed),
+                    format!("seed {} baseline {}", row.seed, solid.name()),
                     row.baseline,
                     Stroke::solid(BLACK, 1.6),
                 ));

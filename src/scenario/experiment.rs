@@ -8,6 +8,7 @@
 //! baseline = "quick-baseline.toml"     # a solo-mode scenario; its budget is set to
 //!                                      # what the population spent, its `steps` bound it
 //! seeds = [1, 2, 3]                    # default: the population scenario's seed
+//! matching = ["per_adapter", "total"]  # the baseline rows to run and compare (default: both)
 //! [eval]
 //! benchmarks = ["humaneval", "humaneval-io"]
 //! selection = 0.3                      # share of the problems that pick the best member
@@ -74,9 +75,54 @@ pub struct Experiment {
     /// Default: the population scenario's seed alone.
     #[serde(default)]
     pub seeds: Vec<u64>,
+    /// The baseline rows to run, evaluate and compare: `per_adapter`
+    /// (its compute mark where it had spent what one population member
+    /// spent, the paper's comparison) and `total` (where it had spent what
+    /// the whole population spent, the strict one). With `per_adapter`
+    /// alone the baseline stops at that mark. Distinct, non-empty.
+    /// Default: both.
+    #[serde(default = "Matching::all")]
+    pub matching: Vec<Matching>,
     /// What every row is evaluated on.
     #[serde(default)]
     pub eval: ExperimentEval,
+}
+
+/// How much compute the baseline row got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Matching {
+    /// What one population member spent: the population's total over its
+    /// members (the paper's comparison).
+    PerAdapter,
+    /// What the whole population spent (the stricter test).
+    Total,
+}
+
+impl Matching {
+    /// Both matchings, in the order they are reported.
+    pub const BOTH: [Matching; 2] = [Matching::PerAdapter, Matching::Total];
+
+    /// Both, the default of `matching`.
+    pub fn all() -> Vec<Matching> {
+        Matching::BOTH.to_vec()
+    }
+
+    /// As written in `matching`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Matching::PerAdapter => "per_adapter",
+            Matching::Total => "total",
+        }
+    }
+
+    /// As the report names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Matching::PerAdapter => "per adapter",
+            Matching::Total => "whole population",
+        }
+    }
 }
 
 /// `[eval]`: what every row is evaluated on.
@@ -179,6 +225,16 @@ impl Experiment {
             message,
         };
         experiment.check_eval().map_err(|(key, m)| fail(key, m))?;
+        let mut matching = experiment.matching.clone();
+        matching.sort_unstable();
+        matching.dedup();
+        if matching.is_empty() || matching.len() != experiment.matching.len() {
+            let written: Vec<&str> = experiment.matching.iter().map(|m| m.key()).collect();
+            let why = format!(
+                "matching = {written:?}: name \"per_adapter\", \"total\" or both, each once"
+            );
+            return Err(fail("matching", why));
+        }
         let mut seeds = experiment.seeds.clone();
         seeds.sort_unstable();
         seeds.dedup();

@@ -1,7 +1,7 @@
 //! Scenario schema: malformed files, defaults, the resolved copy, the shipped files.
 
 use populora::base::{Target, WeightsSetting};
-use populora::scenario::experiment::Experiment;
+use populora::scenario::experiment::{Experiment, Matching};
 use populora::scenario::{
     parse_member_id, AdvantageGroups, ErrorKind, EventAction, Fitness, Injection, Mode,
     ModelSource, Role, Scenario, ScenarioError, TaskKind, TinyModelSection, WeightedOperator,
@@ -559,7 +559,12 @@ fn shipped_scenarios_parse() {
 #[test]
 fn shipped_experiments_load() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
-    for file in ["quick.toml", "paper-4t4s.toml", "small-4t4s.toml"] {
+    for file in [
+        "quick.toml",
+        "paper-4t4s.toml",
+        "small-4t4s.toml",
+        "confirm-4t4s.toml",
+    ] {
         let loaded = Experiment::from_file(&root.join(file), check_operator)
             .unwrap_or_else(|e| panic!("{e}"));
         let (p, b) = (&loaded.population, &loaded.baseline);
@@ -575,6 +580,21 @@ fn shipped_experiments_load() {
             b.budget_tflop, None,
             "{file}: the experiment sets the budget"
         );
+    }
+    // Issue 56's pre-registered experiment: small-4t4s's arms on fresh
+    // seeds, on the native weights, matched per adapter alone.
+    let load = |file: &str| Experiment::from_file(&root.join(file), check_operator).unwrap();
+    let (small, confirm) = (load("small-4t4s.toml"), load("confirm-4t4s.toml"));
+    assert_eq!(confirm.experiment.matching, vec![Matching::PerAdapter]);
+    assert_eq!(confirm.seeds(), vec![4, 5, 6, 7, 8]);
+    for (a, b) in [
+        (&small.population, &confirm.population),
+        (&small.baseline, &confirm.baseline),
+    ] {
+        let mut keys = a.differing_keys(b);
+        keys.retain(|k| k != "name");
+        assert_eq!(keys, vec!["model.weights".to_string()]);
+        assert_eq!(b.model.weights, WeightsSetting::Native);
     }
 }
 
@@ -666,6 +686,23 @@ fn malformed_experiments_name_the_key() {
             format!("population = {pop:?}\nbaseline = {solo:?}\nseeds = [1, 2, 1]\n"),
             "seeds",
             "each seed once",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\nmatching = []\n"),
+            "matching",
+            "each once",
+        ),
+        (
+            format!(
+                "population = {pop:?}\nbaseline = {solo:?}\nmatching = [\"total\", \"total\"]\n"
+            ),
+            "matching",
+            "each once",
+        ),
+        (
+            format!("population = {pop:?}\nbaseline = {solo:?}\nmatching = [\"strict\"]\n"),
+            "matching",
+            "strict",
         ),
         (
             format!("population = {pop:?}\nbaseline = {solo:?}\n[eval]\nselection = 1.0\n"),

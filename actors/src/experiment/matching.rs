@@ -1,6 +1,8 @@
 //! Compute matching, two ways from one baseline run: the baseline's budget
 //! is what the whole population spent, and its other compute mark is what
-//! one member spent (the population's total over its members). Each mark is
+//! one member spent (the population's total over its members). With the
+//! per-adapter matching alone (`matching = ["per_adapter"]`), the budget is
+//! what one member spent and the run stops there. Each mark is
 //! the step boundary nearest its target, chosen by the run after the fact
 //! (the coordinator's `compute_marks`); both must land within
 //! [`MATCH_TOLERANCE`] of their targets.
@@ -8,6 +10,7 @@
 use anyhow::bail;
 use populora::report::experiment::{ComputeMark, RunTotals};
 use populora::run_files::Event;
+use populora::scenario::experiment::Matching;
 use populora::scenario::Scenario;
 
 use super::MATCH_TOLERANCE;
@@ -30,10 +33,20 @@ impl Targets {
         }
     }
 
-    /// The budget and the mark, on the baseline's scenario.
-    pub fn apply(&self, baseline: &mut Scenario) {
-        baseline.budget_tflop = Some(self.total_tflop);
-        baseline.checkpoint.at_tflop = vec![self.per_adapter_tflop];
+    /// The budget and the mark, on the baseline's scenario: the budget is
+    /// the largest target `matching` names, and the per-adapter target is a
+    /// checkpoint mark below it when both are named.
+    pub fn apply(&self, baseline: &mut Scenario, matching: &[Matching]) {
+        let total = matching.contains(&Matching::Total);
+        let budget = match total {
+            true => self.total_tflop,
+            false => self.per_adapter_tflop,
+        };
+        baseline.budget_tflop = Some(budget);
+        baseline.checkpoint.at_tflop = match total && matching.contains(&Matching::PerAdapter) {
+            true => vec![self.per_adapter_tflop],
+            false => Vec::new(),
+        };
     }
 }
 

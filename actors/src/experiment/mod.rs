@@ -15,7 +15,9 @@
 //!    `budget_tflop`: the strict test), and keeps a checkpoint where it had
 //!    spent what one member spent, the population's total over its T + S
 //!    members (a compute mark: the paper's per-adapter comparison). Both
-//!    are checked against [`MATCH_TOLERANCE`].
+//!    are checked against [`MATCH_TOLERANCE`]. The experiment's `matching`
+//!    may name one of the two: with `["per_adapter"]` the baseline's budget
+//!    is one member's share and it stops there.
 //! 5. **Evaluation**: every seed's population members at the end, the
 //!    baseline at its mark and at its end, and once the untouched base
 //!    model, answer every item of HumanEval and HumanEval-IO
@@ -39,7 +41,9 @@ mod statistics;
 
 use std::path::Path;
 
-use populora::report::experiment::{ArmsTrained, ExperimentSummary, SeedRuns, TrainedOn};
+use populora::report::experiment::{
+    ArmsTrained, ComputeMark, ExperimentSummary, Matching, SeedRuns, TrainedOn,
+};
 use populora::scenario::experiment::LoadedExperiment;
 
 pub use populora::scenario::experiment::MATCH_TOLERANCE;
@@ -85,15 +89,26 @@ fn seed_runs(loaded: &LoadedExperiment, out: &Path, seed: u64) -> anyhow::Result
     let members = loaded.population.population.teachers + loaded.population.population.students;
     let targets = matching::Targets::of(&pop, members);
     let mut baseline = stages::with_seed(&loaded.baseline, seed);
-    targets.apply(&mut baseline);
+    let matchings = &loaded.experiment.matching;
+    targets.apply(&mut baseline, matchings);
     let base = stages::run(&dir.join("baseline"), baseline, seeded.clone())?;
-    let total_mark = matching::total_mark(&pop, &base)?;
-    let mark = matching::per_adapter_mark(&base, targets.per_adapter_tflop)?;
+    let mark = match matchings.contains(&Matching::PerAdapter) {
+        true => Some(matching::per_adapter_mark(
+            &base,
+            targets.per_adapter_tflop,
+        )?),
+        false => None,
+    };
+    let total_mark = match matchings.contains(&Matching::Total) {
+        true => Some(matching::total_mark(&pop, &base)?),
+        false => None,
+    };
     let (pop_lines, base_lines) = (stages::metrics(&pop.dir)?, stages::metrics(&base.dir)?);
+    let up_to = |mark: Option<ComputeMark>| mark.map(|m| TrainedOn::of(&base_lines, m.step));
     let trained = ArmsTrained {
         population: TrainedOn::of(&pop_lines, pop.steps),
-        baseline_per_adapter: TrainedOn::of(&base_lines, mark.step),
-        baseline_total: TrainedOn::of(&base_lines, total_mark.step),
+        baseline_per_adapter: up_to(mark),
+        baseline_total: up_to(total_mark),
     };
     Ok(SeedRuns {
         seed,

@@ -50,7 +50,8 @@ pub fn summarize(
         if base.items() > 0 {
             base_model.insert(benchmark.clone(), base.score(&split.ones()));
         }
-        for matching in Matching::BOTH {
+        let run = |m: &Matching| loaded.experiment.matching.contains(m);
+        for matching in Matching::BOTH.into_iter().filter(run) {
             let table = Table::of(
                 &evaluated.records,
                 &benchmark,

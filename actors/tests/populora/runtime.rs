@@ -775,6 +775,63 @@ fn an_experiment_seeds_runs_matches_evaluates_pools_and_resumes() {
     std::fs::write(&pop_journal, text).unwrap();
 }
 
+/// `matching = ["per_adapter"]`: the baseline's budget is one member's share,
+/// so it stops at that mark (not at the whole population's compute), and
+/// only the per-adapter row is evaluated and compared.
+#[test]
+fn a_per_adapter_experiment_stops_the_baseline_at_its_mark() {
+    let dir = scratch("experiment-per-adapter");
+    let file = experiment_files(&dir);
+    let text = std::fs::read_to_string(&file).unwrap().replace(
+        "seeds = [7, 8]\n",
+        "seeds = [7]\nmatching = [\"per_adapter\"]\n",
+    );
+    std::fs::write(&file, text).unwrap();
+    let out = dir.join("out");
+    let printed = ok(populora(&[
+        "experiment",
+        file.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .output()
+    .unwrap());
+    assert!(
+        printed.contains("baseline matched per adapter"),
+        "{printed}"
+    );
+    assert!(!printed.contains("whole population"), "{printed}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("experiment.json")).unwrap())
+            .unwrap();
+    let s = &summary["seeds"][0];
+    let p = s["population"]["compute"]["flops"].as_f64().unwrap();
+    let (mark, end) = (&s["mark"], s["baseline"]["steps"].as_u64().unwrap());
+    let mark_step = mark["step"].as_u64().unwrap();
+    assert!(mark_step == end || mark_step + 1 == end, "{mark} {end}");
+    let spent = s["baseline"]["compute"]["flops"].as_f64().unwrap();
+    assert!(
+        spent < p / 2.0,
+        "the baseline ran past its mark: {spent} of {p}"
+    );
+    let (target, at) = (
+        mark["target_tflop"].as_f64().unwrap(),
+        mark["spent_tflop"].as_f64().unwrap(),
+    );
+    assert!((target * 4.0 * 1e12 - p).abs() <= 1e-6 * p, "{mark}");
+    assert!((at - target).abs() <= 0.05 * target, "{mark}");
+    assert!(s["total_mark"].is_null() && s["trained"]["baseline_total"].is_null());
+    assert_eq!(s["trained"]["baseline_per_adapter"]["steps"], mark["step"]);
+    let comparisons = summary["comparisons"].as_array().unwrap();
+    // HumanEval, HumanEval-IO's output and input items: one matching each.
+    assert_eq!(comparisons.len(), 3, "{comparisons:?}");
+    assert!(comparisons.iter().all(|c| c["matching"] == "per_adapter"));
+    let items = std::fs::read_to_string(out.join("eval/items.jsonl")).unwrap();
+    assert!(items.contains(r#""member":"seed-7/baseline-per-adapter/solo-0""#));
+    assert!(!items.contains(r#""member":"seed-7/baseline/solo-0""#));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A copy of the baseline run as if it had crashed just after its last
 /// checkpoint: its journal up to the step-4 checkpoint event, no end event.
 fn crashed_copy(name: &str) -> PathBuf {
