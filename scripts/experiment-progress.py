@@ -39,7 +39,10 @@ def main(out: Path) -> None:
         print(f"evaluation: done, {len(load_answers(out))} answers")
     for progress in sorted((out / "eval").glob("progress-*.jsonl")):
         print(f"evaluation so far, {progress.name}: {sum(1 for _ in progress.open())} lines")
-    if (out / "experiment.json").exists():
+    summary = out / "experiment.json"
+    # The experiment writes experiment.json when it starts (the arms' settings hashes)
+    # and again, with the comparisons, when it is done.
+    if summary.exists() and '"comparisons"' in summary.read_text():
         print("done: experiment.json written")
 
 
