@@ -58,11 +58,11 @@ def compute_table(summary):
         p, b, sd = s["population"], s["baseline"], s.get("seeding")
         seeding = (f"{tflop(sd['compute']):.1f} TFLOP, {sd['valid']}/{sd['proposals']} valid "
                    f"in {sd['rounds']} rounds") if sd else "-"
-        gap = tflop(b["compute"]) / tflop(p["compute"]) - 1
+        share = tflop(b["compute"]) / tflop(p["compute"])
         marks = [mark_cell(s.get(key)) for key in ("mark", "total_mark")]
         print(f"| {s['seed']} | {seeding} "
               f"| {p['steps']} steps, {tflop(p['compute']):.1f} TFLOP, {p['wall_s'] / 3600:.2f} h "
-              f"| {b['steps']} steps, {tflop(b['compute']):.1f} TFLOP ({100 * gap:+.2f} % of the population's), "
+              f"| {b['steps']} steps, {tflop(b['compute']):.1f} TFLOP ({100 * share:.2f} % of the population's), "
               f"{b['wall_s'] / 3600:.2f} h | {marks[0]} | {marks[1]} |")
     e = summary["evaluation"]
     print(f"\nEvaluation: {e['rows']} rows, {e['answers']} answers, {e['wall_s'] / 3600:.2f} h.")
