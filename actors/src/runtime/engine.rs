@@ -32,8 +32,21 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// The base model of `scenario`, loaded; `progress` hears where it came
+    /// from and how its weights are held (`base weights: native, 96.6 MB
+    /// resident (96576768 bytes)`), so a run's log says which setting it
+    /// ran under.
     pub fn load(scenario: &Scenario, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Engine> {
         let (model, tokenizer) = base_model(scenario, progress)?;
+        let held = match scenario.model.source {
+            ModelSource::Tiny => "f32 (the tiny model is built in f32)",
+            _ => scenario.model.weights.name(),
+        };
+        let bytes = model.resident_bytes();
+        progress(&format!(
+            "base weights: {held}, {:.1} MB resident ({bytes} bytes)",
+            bytes as f64 / 1e6
+        ));
         let device = populora::base::device::open(&scenario.model.device)?;
         // Loaded on the CPU, then moved: the CPU copy is dropped here.
         let model = if device.is_cpu() {
