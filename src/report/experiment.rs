@@ -81,6 +81,13 @@ impl SeedRuns {
             Matching::Total => self.total_mark.as_ref(),
         }
     }
+
+    /// The marks of the matchings that were run, in report order.
+    pub fn marks(&self) -> impl Iterator<Item = (Matching, &ComputeMark)> {
+        Matching::BOTH
+            .into_iter()
+            .filter_map(|m| Some((m, self.mark(m)?)))
+    }
 }
 
 /// What each evaluated arm trained on: FLOPs are the matching rule, and
@@ -311,9 +318,8 @@ pub fn text(summary: &ExperimentSummary) -> String {
     let mut out = String::new();
     for s in &summary.seeds {
         let (p, b) = (&s.population, &s.baseline);
-        let marks: String = Matching::BOTH
-            .iter()
-            .filter_map(|&m| Some((m, s.mark(m)?)))
+        let marks: String = s
+            .marks()
             .map(|(m, mark)| {
                 format!(
                     ", baseline matched {} {:.2} of {:.2} TFLOP at step {} ({:+.1} %)",
@@ -520,7 +526,7 @@ fn compute_table(out: &mut String, summary: &ExperimentSummary) {
                 c.computed_trained_tokens,
             );
         }
-        for (matching, mark) in Matching::BOTH.iter().filter_map(|&m| Some((m, s.mark(m)?))) {
+        for (matching, mark) in s.marks() {
             let label = format!("baseline {}", matching.name());
             let _ = writeln!(
                 out,

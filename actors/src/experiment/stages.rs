@@ -340,10 +340,7 @@ pub fn evaluate(
                 &run.population.dir,
                 &format!("seed-{}/", run.seed),
             )?);
-            for (matching, mark) in Matching::BOTH
-                .iter()
-                .filter_map(|&m| Some((m, run.mark(m)?)))
-            {
+            for (matching, mark) in run.marks() {
                 let row = seed_rows.baseline(matching);
                 let prefix = row.trim_end_matches(baseline.as_str());
                 let saved = mark_members(&run.baseline.dir, mark.step);
