@@ -12,30 +12,30 @@
 //! - up to [`row_lanes::MAX_ROWS`] rows: [`row_lanes`]' kernel, each tile of
 //!   weight rows unpacked into a buffer in cache first; its sums are those of
 //!   f32 weights, bit for bit.
-//! - taller inputs (prefill, the train step): [`panels_t`], panels of `W`
-//!   unpacked into f32 tiles that stay in cache, each multiplied by gemm.
+//! - taller inputs (prefill, the train step): [`unpacked_t`], slices of
+//!   whole weight rows unpacked into a reused f32 buffer, each multiplied
+//!   by one gemm call over all threads. A block projection is one slice,
+//!   so its product is the f32 path's gemm call on the same values: the
+//!   same bits, plus the unpacking. (Panels of `W` multiplied one per
+//!   thread repacked the activations for every panel: 0.94× f32's train
+//!   step, BENCHMARKS.md.)
 //!
 //! The train step's backward through the frozen weights, `∂x = ∂y·W`, is
-//! [`input_grad`]: column panels of `W` unpacked, then gemm.
+//! [`input_grad`]: the same slices, their products added in order.
+
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
 
 use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::blocks::{BlockFormat, BlockMatrix, BLOCK};
 use super::few_rows::{self, Isa, Lanes, Scalar};
-use super::gemm::Out;
 use super::row_lanes;
 use super::unpack::{self, with_format, Unpack};
 
 /// Parallel tasks per few-row product (as the f32 kernel's).
 const TASKS: usize = 16;
-
-/// Values in one unpacked panel at most (default 2¹⁷: 512 KB of f32, half
-/// of Zen 4's L2), so a panel stays in cache while gemm reads it.
-const PANEL_VALUES: usize = 1 << 17;
-
-/// Panels per thread (default 4), so two threads finish together.
-const PANELS_PER_THREAD: usize = 4;
 
 /// `x·Wᵀ` for row-major f32 `x` `[m, w.cols()]`: row-major `[m, w.rows()]`,
 /// spread over rayon's threads, by the kernel for `m` rows.
@@ -56,9 +56,7 @@ pub(crate) fn matmul_t_with(
         row_lanes::matmul_t_with(isa, x, row_lanes::Weights::Blocks(w), m, k, n)
     } else {
         check(isa, x, w, m)?;
-        let mut y = vec![0f32; m * n];
-        panels_t(x, m, w, &mut y);
-        Ok(y)
+        Ok(unpacked_t_values(x, m, w))
     }
 }
 
@@ -275,19 +273,28 @@ unsafe fn dots<S: Lanes, F: Unpack<S>, const B: usize, const R: usize>(
     }
 }
 
-// ------------------------------------------------------------ panels
+// ------------------------------------------------------------ unpacked slices
 
-/// The activation types of the panel products: f32, and f64 for the
+/// The activation types of the tall products: f32, and f64 for the
 /// gradient checks (weights unpacked to f32, then widened: exact).
 pub trait PanelFloat: candle_core::WithDType {
     /// The values of the whole blocks `src` of `format`, into `out`, by
     /// the widest kernel this CPU runs.
     fn decode(format: BlockFormat, src: &[u8], out: &mut [Self]);
+
+    /// Buffers of unpacked weights kept between products: a fresh one
+    /// would be faulted in and zeroed for every projection.
+    fn buffers() -> &'static Mutex<Vec<Vec<Self>>>;
 }
 
 impl PanelFloat for f32 {
     fn decode(format: BlockFormat, src: &[u8], out: &mut [f32]) {
         unpack::decode(Isa::best(), format, src, out)
+    }
+
+    fn buffers() -> &'static Mutex<Vec<Vec<f32>>> {
+        static BUFFERS: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+        &BUFFERS
     }
 }
 
@@ -299,59 +306,119 @@ impl PanelFloat for f64 {
             *o = v as f64;
         }
     }
+
+    fn buffers() -> &'static Mutex<Vec<Vec<f64>>> {
+        static BUFFERS: Mutex<Vec<Vec<f64>>> = Mutex::new(Vec::new());
+        &BUFFERS
+    }
 }
 
-/// Rows or columns per panel: about [`PANELS_PER_THREAD`] panels per
-/// thread, each at most [`PANEL_VALUES`] values of `line` each, a multiple of
-/// `align`.
-fn panel_size(count: usize, line: usize, align: usize) -> usize {
-    let tasks = PANELS_PER_THREAD * rayon::current_num_threads();
-    let cap = (PANEL_VALUES / line.max(1)) / align * align;
-    count
-        .div_ceil(tasks)
-        .next_multiple_of(align)
-        .min(cap.max(align))
-}
+/// Weight rows unpacked per slice at most, in values (default 2²⁰: 4 MB of
+/// f32). Every block projection of SmolLM2 fits in one slice (the largest,
+/// 1536 × 576, is 0.88 M values), so its product is one gemm call, the call
+/// the f32 path makes, on the same values; the LM head (49,152 × 576) takes
+/// 28 slices.
+const SLICE_VALUES: usize = 1 << 20;
 
-/// `x·Wᵀ` into `y` (`[m, n]`, overwritten) for `x` `[m, k]`: panels of
-/// weight rows in parallel, each unpacked then multiplied by gemm on its
-/// thread. Callers check the sizes.
-pub(crate) fn panels_t<T: PanelFloat>(x: &[T], m: usize, w: &BlockMatrix, y: &mut [T]) {
+/// Weight rows each task unpacks at a time (default 64).
+const UNPACK_ROWS: usize = 64;
+
+/// `f(rows, values)` for consecutive slices of whole rows of `w`, each
+/// unpacked into one reused buffer (row-major `[rows, w.cols()]`) by all of
+/// rayon's threads.
+fn for_each_slice<T: PanelFloat>(w: &BlockMatrix, mut f: impl FnMut(Range<usize>, &[T])) {
     let (n, k) = (w.rows(), w.cols());
-    assert!(x.len() == m * k && y.len() == m * n, "panels_t: sizes");
-    if m == 0 || n == 0 {
+    if n == 0 || k == 0 {
         return;
     }
-    if k == 0 {
+    let per = (SLICE_VALUES / k).clamp(1, n);
+    let pool = T::buffers();
+    let mut buffer = pool
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .pop()
+        .unwrap_or_default();
+    if buffer.len() < per * k {
+        buffer.resize(per * k, T::zero());
+    }
+    let (format, row_bytes) = (w.format(), w.row_bytes());
+    for start in (0..n).step_by(per) {
+        let rows = start..(start + per).min(n);
+        let values = &mut buffer[..rows.len() * k];
+        let bytes = &w.bytes()[rows.start * row_bytes..rows.end * row_bytes];
+        values
+            .par_chunks_mut(UNPACK_ROWS * k)
+            .zip(bytes.par_chunks(UNPACK_ROWS * row_bytes))
+            .for_each(|(out, src)| T::decode(format, src, out));
+        f(rows, values);
+    }
+    pool.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(buffer);
+}
+
+/// gemm's threads for one tall product: all of rayon's, as the f32 path's.
+fn threads() -> Parallelism {
+    match rayon::current_num_threads() {
+        1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
+}
+
+/// `x·Wᵀ` into `y` (`[m, n]`, overwritten) for `x` `[m, k]`.
+pub(crate) fn unpacked_t<T: PanelFloat>(x: &[T], m: usize, w: &BlockMatrix, y: &mut [T]) {
+    assert!(
+        x.len() == m * w.cols() && y.len() == m * w.rows(),
+        "unpacked_t: sizes"
+    );
+    if w.cols() == 0 {
         y.fill(T::zero());
-        return;
+    } else if m > 0 {
+        // SAFETY: `y` holds `[m, n]` values.
+        unsafe { unpacked_t_into(x, m, w, y.as_mut_ptr()) }
     }
-    let per = panel_size(n, k, 16);
-    let out = Out(y.as_mut_ptr());
-    let row_bytes = w.row_bytes();
-    (0..n.div_ceil(per)).into_par_iter().for_each(|p| {
-        let rows = p * per..((p + 1) * per).min(n);
-        let mut panel = vec![T::zero(); rows.len() * k];
-        T::decode(
-            w.format(),
-            &w.bytes()[rows.start * row_bytes..rows.end * row_bytes],
-            &mut panel,
-        );
-        // SAFETY: `x` is `[m, k]` and `panel` `[rows, k]`, both row-major;
-        // this task alone writes columns `rows` of `y` `[m, n]`.
+}
+
+/// `x·Wᵀ` as fresh values `[m, n]` (no zero fill: gemm writes every one).
+fn unpacked_t_values(x: &[f32], m: usize, w: &BlockMatrix) -> Vec<f32> {
+    let len = m * w.rows();
+    if w.cols() == 0 || m == 0 {
+        return vec![0.0; len];
+    }
+    let mut y = Vec::with_capacity(len);
+    // SAFETY: `y` has room for `[m, n]` values, which gemm writes (it does
+    // not read them), before `set_len`.
+    unsafe {
+        unpacked_t_into(x, m, w, y.as_mut_ptr());
+        y.set_len(len);
+    }
+    y
+}
+
+/// `x·Wᵀ` written (not read) to `y`, slice by slice of weight rows: each
+/// slice's columns of `y` by one gemm call.
+///
+/// # Safety
+/// `x` holds `[m, k]` values with `k = w.cols() > 0` and `m > 0`; `y` is
+/// valid for writes of `[m, w.rows()]` values, touched by no one else.
+unsafe fn unpacked_t_into<T: PanelFloat>(x: &[T], m: usize, w: &BlockMatrix, y: *mut T) {
+    let (n, k) = (w.rows(), w.cols());
+    for_each_slice(w, |rows, values: &[T]| {
+        // SAFETY: `x` is `[m, k]` and `values` `[rows, k]`, both row-major
+        // (read as `Wᵀ`); columns `rows` of `y` `[m, n]` lie inside it.
         unsafe {
             gemm::gemm(
                 m,
                 rows.len(),
                 k,
-                out.at(rows.start),
+                y.add(rows.start),
                 1,
                 n as isize,
                 false,
                 x.as_ptr(),
                 1,
                 k as isize,
-                panel.as_ptr(),
+                values.as_ptr(),
                 k as isize,
                 1,
                 T::one(),
@@ -359,16 +426,15 @@ pub(crate) fn panels_t<T: PanelFloat>(x: &[T], m: usize, w: &BlockMatrix, y: &mu
                 false,
                 false,
                 false,
-                Parallelism::None,
+                threads(),
             )
         }
     });
 }
 
 /// `∂y·W` for `∂y` `[m, n]` (`n = w.rows()`), added into `dx` `[m, k]`
-/// (`k = w.cols()`) when `add`, else written over it: column panels of `W`
-/// (whole blocks) in parallel, each unpacked a chunk of rows at a time
-/// and multiplied by gemm on its thread.
+/// (`k = w.cols()`) when `add`, else written over it. A slice of weight
+/// rows is a slice of the sum over `n`: the slices are added in order.
 pub fn input_grad<T: PanelFloat>(
     dy: &[T],
     m: usize,
@@ -376,68 +442,88 @@ pub fn input_grad<T: PanelFloat>(
     dx: &mut [T],
     add: bool,
 ) -> Result<(), String> {
+    check_input_grad(dy.len(), dx.len(), m, w)?;
+    if w.rows() == 0 || m == 0 {
+        if !add {
+            dx.fill(T::zero());
+        }
+    } else if w.cols() > 0 {
+        // SAFETY: sizes checked above; `dx` holds values.
+        unsafe { input_grad_into(dy, m, w, dx.as_mut_ptr(), add) }
+    }
+    Ok(())
+}
+
+/// `∂y·W` as fresh values `[m, k]` (no zero fill: gemm writes every one).
+pub fn input_grad_values<T: PanelFloat>(
+    dy: &[T],
+    m: usize,
+    w: &BlockMatrix,
+) -> Result<Vec<T>, String> {
+    let len = m * w.cols();
+    check_input_grad(dy.len(), len, m, w)?;
+    if w.rows() == 0 || m == 0 || w.cols() == 0 {
+        return Ok(vec![T::zero(); len]);
+    }
+    let mut dx = Vec::with_capacity(len);
+    // SAFETY: sizes checked above; `dx` has room for `[m, k]` values, which
+    // the first slice's gemm writes without reading, before `set_len`.
+    unsafe {
+        input_grad_into(dy, m, w, dx.as_mut_ptr(), false);
+        dx.set_len(len);
+    }
+    Ok(dx)
+}
+
+fn check_input_grad(dy: usize, dx: usize, m: usize, w: &BlockMatrix) -> Result<(), String> {
     let (n, k) = (w.rows(), w.cols());
-    if m.checked_mul(n) != Some(dy.len()) || m.checked_mul(k) != Some(dx.len()) {
+    if m.checked_mul(n) != Some(dy) || m.checked_mul(k) != Some(dx) {
         return Err(format!(
-            "native input gradient: ∂y has {} values for [{m}, {n}], ∂x {} for [{m}, {k}]",
-            dy.len(),
-            dx.len()
+            "native input gradient: ∂y has {dy} values for [{m}, {n}], ∂x {dx} for [{m}, {k}]"
         ));
     }
-    if !add {
-        dx.fill(T::zero());
-    }
-    if m == 0 || n == 0 || k == 0 {
-        return Ok(());
-    }
-    let blocks = k / BLOCK;
-    let per_blocks = panel_size(blocks, 1, 1).min(blocks);
-    // Rows of `W` unpacked at a time: a panel stays within PANEL_VALUES.
-    let chunk_rows = (PANEL_VALUES / (per_blocks * BLOCK)).clamp(1, n);
-    let (format, bytes) = (w.format(), w.format().bytes());
-    let out = Out(dx.as_mut_ptr());
-    (0..blocks.div_ceil(per_blocks))
-        .into_par_iter()
-        .for_each(|p| {
-            let span = p * per_blocks..((p + 1) * per_blocks).min(blocks);
-            let width = span.len() * BLOCK;
-            let mut panel = vec![T::zero(); chunk_rows * width];
-            for first in (0..n).step_by(chunk_rows) {
-                let rows = first..(first + chunk_rows).min(n);
-                let panel = &mut panel[..rows.len() * width];
-                for (r, out) in rows.clone().zip(panel.chunks_exact_mut(width)) {
-                    let row = &w.row(r)[span.start * bytes..span.end * bytes];
-                    T::decode(format, row, out);
-                }
-                // SAFETY: `dy` is `[m, n]` and `panel` `[rows, width]`, both
-                // row-major; this task alone touches columns
-                // `span·BLOCK` of `dx` `[m, k]`, which hold values.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        width,
-                        rows.len(),
-                        out.at(span.start * BLOCK),
-                        1,
-                        k as isize,
-                        true,
-                        dy.as_ptr().add(rows.start),
-                        1,
-                        n as isize,
-                        panel.as_ptr(),
-                        1,
-                        width as isize,
-                        T::one(),
-                        T::one(),
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    )
-                }
-            }
-        });
     Ok(())
+}
+
+/// # Safety
+/// `dy` holds `[m, n]` values and `dx` is valid for `[m, k]`, initialised
+/// when `add`, touched by no one else; `m`, `n`, `k` are not zero.
+unsafe fn input_grad_into<T: PanelFloat>(
+    dy: &[T],
+    m: usize,
+    w: &BlockMatrix,
+    dx: *mut T,
+    add: bool,
+) {
+    let (n, k) = (w.rows(), w.cols());
+    for_each_slice(w, |rows, values: &[T]| {
+        // SAFETY: `∂y`'s columns `rows` (row stride `n`) times `values`
+        // `[rows, k]`, row-major, into `dx` `[m, k]`; every slice after the
+        // first adds to what the ones before wrote.
+        unsafe {
+            gemm::gemm(
+                m,
+                k,
+                rows.len(),
+                dx,
+                1,
+                k as isize,
+                add || rows.start > 0,
+                dy.as_ptr().add(rows.start),
+                1,
+                n as isize,
+                values.as_ptr(),
+                1,
+                k as isize,
+                T::one(),
+                T::one(),
+                false,
+                false,
+                false,
+                threads(),
+            )
+        }
+    });
 }
 
 #[cfg(test)]
@@ -542,11 +628,16 @@ mod tests {
         }
     }
 
-    /// `∂y·W`, written and added, equals the dequantized product, in f32
-    /// and f64, over panels of rows and columns.
+    /// `∂y·W`, written, added and fresh, equals the dequantized product, in
+    /// f32 and f64, in one slice of weight rows and in several.
     #[test]
     fn input_gradients_match_the_dequantized_product() {
-        for &(m, n, k) in &[(3, 5, 32), (40, 300, 96), (7, 4100, 64)] {
+        let cases = [(3, 5, 32), (40, 300, 96), (7, 17_000, 64)];
+        assert!(
+            cases.iter().any(|&(_, n, k)| n * k > SLICE_VALUES),
+            "a case of several slices"
+        );
+        for &(m, n, k) in &cases {
             let w = matrix(n, k, BlockFormat::Q4_1, 11);
             let dense = Tensor::from_vec(w.to_f32(), (n, k), &Device::Cpu).unwrap();
             let dy = Tensor::from_vec(test_values(m * n, 2), (m, n), &Device::Cpu).unwrap();
@@ -574,7 +665,47 @@ mod tests {
                     "{m}x{n}x{k}"
                 );
             }
+            assert_eq!(input_grad_values(&dy32, m, &w).unwrap(), dx);
             assert!(input_grad(&dy32[1..], m, &w, &mut dx, false).is_err());
+            assert!(input_grad_values(&dy32[1..], m, &w).is_err());
+        }
+    }
+
+    /// Above [`row_lanes::MAX_ROWS`] rows, `x·Wᵀ` gives the bits of the f32
+    /// path's gemm call on the dequantized values (within one slice of
+    /// weight rows it is the same call; over several, each output's sum over
+    /// `k` is the same), and so does `∂y·W` within one slice; over several,
+    /// a slice's sum over `n` ends where gemm's depth block need not.
+    #[test]
+    fn tall_products_give_the_f32_paths_bits() {
+        use crate::base::gemm::{matmul, product_values, Threads};
+        let device = Device::Cpu;
+        for format in BlockFormat::ALL {
+            for &(n, k) in &[(37, 96), (17_000, 64)] {
+                let w = matrix(n, k, format, 5);
+                let dense = Tensor::from_vec(w.to_f32(), (n, k), &device).unwrap();
+                for m in [33, 70] {
+                    let x = test_values(m * k, 4);
+                    let xt = Tensor::from_vec(x.clone(), (m, k), &device).unwrap();
+                    let f32_path = matmul(&xt, &dense.t().unwrap()).unwrap();
+                    let f32_path = f32_path.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    let label = format!("{format:?} {n}x{k}, {m} rows");
+                    assert!(matmul_t(&x, &w, m).unwrap() == f32_path, "{label}: x·Wᵀ");
+
+                    let dy = test_values(m * n, 6);
+                    let dyt = Tensor::from_vec(dy.clone(), (m, n), &device).unwrap();
+                    let (f32_grad, _) = product_values::<f32>(&dyt, &dense, Threads::All).unwrap();
+                    let grad = input_grad_values(&dy, m, &w).unwrap();
+                    if n * k <= SLICE_VALUES {
+                        assert!(grad == f32_grad, "{label}: ∂y·W");
+                    } else {
+                        // Another order of the sum over `n`: within its bound.
+                        let dense_t = dense.t().unwrap().contiguous().unwrap();
+                        let dense_t = dense_t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        assert_within_order_bound(&label, &dy, &dense_t, &grad, n);
+                    }
+                }
+            }
         }
     }
 

@@ -26,7 +26,7 @@ pub const HEAD_CHUNK_ROWS: usize = 256;
 /// contiguous f32 with up to [`few_rows::MAX_ROWS`] rows goes to the few-row
 /// kernel, with up to [`row_lanes::MAX_ROWS`] to the row-lanes kernel, the
 /// rest to gemm; weights in blocks to [`native::matmul_t`] (f32) or its
-/// panels (f64).
+/// unpacked slices (f64).
 pub fn frozen_matmul(x: &Tensor, w: &Weight) -> Result<Tensor> {
     match w {
         Weight::Dense(w) if x.device().is_cpu() => x.apply_op2_no_bwd(w, &FrozenMatmul),
@@ -109,7 +109,7 @@ impl CustomOp1 for BlocksMatmul<'_> {
             ),
             CpuStorage::F64(x) => {
                 let mut y = vec![0f64; m * w.rows()];
-                native::panels_t(&x[start..end], m, w, &mut y);
+                native::unpacked_t(&x[start..end], m, w, &mut y);
                 CpuStorage::F64(y)
             }
             other => candle_core::bail!(
@@ -151,11 +151,11 @@ pub fn input_grad<T: PanelFloat>(
         }
         (Weight::Blocks(b), into) => with_values(dy, |dy: &[T]| {
             let m = dy.len() / b.rows().max(1);
-            let (mut dx, add) = match into {
-                Some((dx, _)) => (dx, true),
-                None => (vec![T::zero(); m * b.cols()], false),
+            let dx = match into {
+                Some((mut dx, _)) => native::input_grad(dy, m, b, &mut dx, true).map(|()| dx),
+                None => native::input_grad_values(dy, m, b),
             };
-            native::input_grad(dy, m, b, &mut dx, add).map_err(candle_core::Error::Msg)?;
+            let dx = dx.map_err(candle_core::Error::Msg)?;
             Ok((dx, Shape::from((m, b.cols()))))
         }),
     }
@@ -174,8 +174,7 @@ pub fn slice_input_grad<T: PanelFloat>(
             if out != b.rows() {
                 candle_core::bail!("{out} columns against a head of {} rows", b.rows());
             }
-            let mut dx = vec![T::zero(); m * b.cols()];
-            native::input_grad(a, m, b, &mut dx, false).map_err(candle_core::Error::Msg)?;
+            let dx = native::input_grad_values(a, m, b).map_err(candle_core::Error::Msg)?;
             Ok((dx, Shape::from((m, b.cols()))))
         }
     }
@@ -196,7 +195,7 @@ pub fn write_matmul_t<T: PanelFloat>(dst: &mut Vec<T>, x: &Tensor, w: &Weight) -
                 dst.clear();
                 dst.resize(m * b.rows(), T::zero());
             }
-            native::panels_t(x, m, b, dst);
+            native::unpacked_t(x, m, b, dst);
             Ok(Shape::from((m, b.rows())))
         }),
     }
