@@ -317,7 +317,7 @@ impl PanelFloat for f64 {
 /// f32). Every block projection of SmolLM2 fits in one slice (the largest,
 /// 1536 × 576, is 0.88 M values), so its product is one gemm call, the call
 /// the f32 path makes, on the same values; the LM head (49,152 × 576) takes
-/// 28 slices.
+/// 28 slices of 1,740–1,756 rows.
 const SLICE_VALUES: usize = 1 << 20;
 
 /// Weight rows each task unpacks at a time (default 64).
@@ -331,7 +331,10 @@ fn for_each_slice<T: PanelFloat>(w: &BlockMatrix, mut f: impl FnMut(Range<usize>
     if n == 0 || k == 0 {
         return;
     }
-    let per = (SLICE_VALUES / k).clamp(1, n);
+    // Slices as even as they can be: a slice of a few rows would take
+    // gemm's small-size branch, which splits the sum over `k` otherwise.
+    let slices = n.div_ceil((SLICE_VALUES / k).max(1));
+    let per = n.div_ceil(slices);
     let pool = T::buffers();
     let mut buffer = pool
         .lock()
@@ -674,16 +677,30 @@ mod tests {
     /// Above [`row_lanes::MAX_ROWS`] rows, `x·Wᵀ` gives the bits of the f32
     /// path's gemm call on the dequantized values (within one slice of
     /// weight rows it is the same call; over several, each output's sum over
-    /// `k` is the same), and so does `∂y·W` within one slice; over several,
-    /// a slice's sum over `n` ends where gemm's depth block need not.
+    /// `k` is split where f32's is, as long as no slice is small enough for
+    /// gemm's small-size branch), and so does `∂y·W` within one slice; over
+    /// several, a slice's sum over `n` ends where gemm's depth block need
+    /// not. Written over stale values, `x·Wᵀ` reads none of them.
     #[test]
     fn tall_products_give_the_f32_paths_bits() {
         use crate::base::gemm::{matmul, product_values, Threads};
         let device = Device::Cpu;
+        // SmolLM2's k, in two slices; and more slices at a small k.
+        let shapes = [(37, 96), (1_900, 576), (17_000, 64)];
+        assert!(
+            shapes.iter().any(|&(n, k)| n * k > SLICE_VALUES),
+            "a case of several slices"
+        );
         for format in BlockFormat::ALL {
-            for &(n, k) in &[(37, 96), (17_000, 64)] {
+            for &(n, k) in &shapes {
                 let w = matrix(n, k, format, 5);
                 let dense = Tensor::from_vec(w.to_f32(), (n, k), &device).unwrap();
+                // The LM head's last chunk can be a few rows: every value written.
+                let x = test_values(5 * k, 8);
+                let mut stale = vec![f32::NAN; 5 * n];
+                unpacked_t(&x, 5, &w, &mut stale);
+                let label = format!("{format:?} {n}x{k}, 5 rows");
+                assert_within_order_bound(&label, &x, &w.to_f32(), &stale, k);
                 for m in [33, 70] {
                     let x = test_values(m * k, 4);
                     let xt = Tensor::from_vec(x.clone(), (m, k), &device).unwrap();
@@ -691,6 +708,9 @@ mod tests {
                     let f32_path = f32_path.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                     let label = format!("{format:?} {n}x{k}, {m} rows");
                     assert!(matmul_t(&x, &w, m).unwrap() == f32_path, "{label}: x·Wᵀ");
+                    let mut stale = vec![f32::NAN; m * n];
+                    unpacked_t(&x, m, &w, &mut stale);
+                    assert!(stale == f32_path, "{label}: x·Wᵀ over stale values");
 
                     let dy = test_values(m * n, 6);
                     let dyt = Tensor::from_vec(dy.clone(), (m, n), &device).unwrap();

@@ -73,9 +73,10 @@ impl TrainMemory {
     /// Every value, at `weight_bytes` per frozen weight (4 in f32, 2 in
     /// bf16; a weight kept in its GGUF block takes the block's share,
     /// [`BlockFormat::bytes_per_value`]: 0.625 in Q4_1) and `bytes` per other
-    /// value. Weights in blocks add almost no transient of their own: the
-    /// kernels unpack them in registers, or a slice of rows at a time (at
-    /// most 4 MB per product running at once, [`crate::base::native`]).
+    /// value. Weights in blocks add almost nothing of their own: the kernels
+    /// unpack them in registers, or a slice of rows at a time into buffers
+    /// kept for the process's life (4 MB of f32 each, one per product that
+    /// ever ran at the same time as others, [`crate::base::native`]).
     ///
     /// [`BlockFormat::bytes_per_value`]: crate::base::blocks::BlockFormat::bytes_per_value
     pub fn bytes(&self, weight_bytes: f64, bytes: usize) -> usize {

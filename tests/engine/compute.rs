@@ -622,7 +622,7 @@ fn packed_train_step_gradients_match_finite_differences_for_every_factor() {
 }
 
 /// The tape through weights kept in blocks (Q4_1 projections, Q8_0 embedding
-/// and head; unpacked into panels, activations in f64): the forward, the
+/// and head; unpacked in slices of rows, activations in f64): the forward, the
 /// LM head and the products back through the frozen weights.
 #[test]
 fn native_train_step_gradients_match_finite_differences_for_every_factor() {
