@@ -78,13 +78,14 @@ impl LoraHook for NoLora {
 }
 
 /// What one block's forward saves for the train step's backward.
-/// Activations are `[tokens, width]` (rows flattened) unless noted.
+/// Activations are `[tokens, width]` (rows flattened) unless noted. The two
+/// norms' outputs are not kept: [`BlockActivations::norms`] recomputes them
+/// with the forward's own kernel, so with the forward's bits, for a sixth of
+/// the tape's memory.
 #[derive(Debug)]
 pub struct BlockActivations {
     /// The block's input.
     pub x: Tensor,
-    /// `RMSNorm(x)`, the input of q, k and v.
-    pub a: Tensor,
     /// `[rows, heads, n, head_dim]`, after RoPE.
     pub q: Tensor,
     /// `[rows, kv_heads, n, head_dim]`, after RoPE.
@@ -95,12 +96,21 @@ pub struct BlockActivations {
     pub attn: Tensor,
     /// `x` plus the attention's projection.
     pub x2: Tensor,
-    /// `RMSNorm(x2)`, the input of gate and up.
-    pub m: Tensor,
     pub gate: Tensor,
     pub up: Tensor,
     /// What the LoRA hook kept of each projection.
     pub lora: BTreeMap<Target, LoraKept>,
+}
+
+impl BlockActivations {
+    /// Block `block`'s two norms as its forward formed them: `RMSNorm(x)`,
+    /// the input of q, k and v, and `RMSNorm(x2)`, the input of gate and up.
+    pub fn norms(&self, block: &Block, eps: f64) -> Result<(Tensor, Tensor)> {
+        Ok((
+            rms_norm(&self.x, &block.attn_norm, eps)?,
+            rms_norm(&self.x2, &block.mlp_norm, eps)?,
+        ))
+    }
 }
 
 /// A frozen projection `y = x·Wᵀ + b`, `W` `[out, in]`.
@@ -686,13 +696,11 @@ impl BlockPass<'_> {
         let tokens = |t: Tensor| t.reshape((rows * n, ()));
         let saved = BlockActivations {
             x: tokens(h)?,
-            a: tokens(a)?,
             q,
             k,
             v,
             attn: tokens(attn)?,
             x2: tokens(x2)?,
-            m: tokens(m)?,
             gate: tokens(gate)?,
             up: tokens(up)?,
             lora,

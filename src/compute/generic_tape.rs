@@ -174,9 +174,10 @@ impl Pass<'_> {
             }
         };
 
+        let (a, m) = s.norms(block, eps)?;
         let d_swiglu = back(Target::Down, &(s.gate.silu()? * &s.up)?, dy)?;
         let (d_gate, d_up) = swiglu_backward(&s.gate, &s.up, &d_swiglu)?;
-        let dm = (back(Target::Gate, &s.m, &d_gate)? + back(Target::Up, &s.m, &d_up)?)?;
+        let dm = (back(Target::Gate, &m, &d_gate)? + back(Target::Up, &m, &d_up)?)?;
         let dx2 = (rms_norm_backward(&s.x2, &block.mlp_norm, eps, &dm)? + dy)?;
 
         let d_attn = back(Target::O, &s.attn, &dx2)?;
@@ -200,12 +201,12 @@ impl Pass<'_> {
             for (target, d) in [(Target::Q, &dq), (Target::K, &dk), (Target::V, &dv)] {
                 let key = ModuleKey { layer, target };
                 self.lora
-                    .factor_grads_generic(key, &s.a, &s.lora[&target], d, grads)?;
+                    .factor_grads_generic(key, &a, &s.lora[&target], d, grads)?;
             }
             return Ok(None);
         }
-        let da = ((back(Target::Q, &s.a, &dq)? + back(Target::K, &s.a, &dk)?)?
-            + back(Target::V, &s.a, &dv)?)?;
+        let da =
+            ((back(Target::Q, &a, &dq)? + back(Target::K, &a, &dk)?)? + back(Target::V, &a, &dv)?)?;
         let dx = (rms_norm_backward(&s.x, &block.attn_norm, eps, &da)? + dx2)?;
         Ok(Some(dx))
     }

@@ -27,10 +27,10 @@ use crate::lora::AdapterGrads;
 use crate::rl::ppo::token_loss_and_grad;
 
 /// Padded tokens per micro-batch (default 2048). Peak memory grows with it:
-/// the saved activations are ≈ 28 KB per token for SmolLM2-135M in f32, and a
+/// the saved activations are ≈ 23 KB per token for SmolLM2-135M in f32, and a
 /// train step in 2048-token micro-batches with rank-8 adapters on every
-/// projection peaked at 2.6 GB RSS, model included (BENCHMARKS.md,
-/// "Multi-adapter broker").
+/// projection peaked at 2.6 GB RSS, model included, when the tape still kept
+/// the norms' outputs (28 KB a token; BENCHMARKS.md, "Multi-adapter broker").
 pub const DEFAULT_TOKEN_BUDGET: usize = 2048;
 
 /// A sequence to score: log π(tokens[t] | tokens[..t]) for every t ≥ `score_from` (≥ 1).
