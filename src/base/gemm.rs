@@ -28,6 +28,23 @@ use candle_core::{
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+/// `dst` made the `len` values that `write` writes through the pointer it is
+/// given, with room for them: no zero fill first.
+///
+/// # Safety
+/// `write` writes every one of the `len` values and reads none.
+pub(crate) unsafe fn overwrite_with<T: Copy>(
+    dst: &mut Vec<T>,
+    len: usize,
+    write: impl FnOnce(*mut T),
+) {
+    dst.clear();
+    dst.reserve_exact(len);
+    write(dst.as_mut_ptr());
+    // SAFETY: the caller's promise: `write` initialised all `len` values.
+    unsafe { dst.set_len(len) };
+}
+
 /// How many threads one call may use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Threads {
@@ -319,14 +336,8 @@ impl<'a, T: WithDType> Plan<'a, T> {
             dst.resize(len, T::from_f64(0.0));
             return self.shape;
         }
-        dst.reserve_exact(len);
-        // SAFETY: `dst` is empty with room for the `len` values of the
-        // product; `run` writes every one of them (`read_dst` false) before
-        // `set_len`.
-        unsafe {
-            self.run(dst.as_mut_ptr(), false, threads);
-            dst.set_len(len);
-        }
+        // SAFETY: `run` writes every value of the product (`read_dst` false).
+        unsafe { overwrite_with(dst, len, |dst| self.run(dst, false, threads)) };
         self.shape
     }
 

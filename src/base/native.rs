@@ -21,7 +21,8 @@
 //!   step, BENCHMARKS.md.)
 //!
 //! The train step's backward through the frozen weights, `∂x = ∂y·W`, is
-//! [`input_grad`]: the same slices, their products added in order.
+//! [`add_input_grad`] and [`input_grad_values`]: the same slices, their
+//! products added in order.
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
@@ -31,6 +32,7 @@ use rayon::prelude::*;
 
 use super::blocks::{BlockFormat, BlockMatrix, BLOCK};
 use super::few_rows::{self, Isa, Lanes, Scalar};
+use super::gemm::overwrite_with;
 use super::row_lanes;
 use super::unpack::{self, with_format, Unpack};
 
@@ -388,13 +390,9 @@ fn unpacked_t_values(x: &[f32], m: usize, w: &BlockMatrix) -> Vec<f32> {
     if w.cols() == 0 || m == 0 {
         return vec![0.0; len];
     }
-    let mut y = Vec::with_capacity(len);
-    // SAFETY: `y` has room for `[m, n]` values, which gemm writes (it does
-    // not read them), before `set_len`.
-    unsafe {
-        unpacked_t_into(x, m, w, y.as_mut_ptr());
-        y.set_len(len);
-    }
+    let mut y = Vec::new();
+    // SAFETY: gemm writes every value of `[m, n]` and reads none.
+    unsafe { overwrite_with(&mut y, len, |y| unpacked_t_into(x, m, w, y)) };
     y
 }
 
@@ -436,23 +434,18 @@ unsafe fn unpacked_t_into<T: PanelFloat>(x: &[T], m: usize, w: &BlockMatrix, y: 
 }
 
 /// `∂y·W` for `∂y` `[m, n]` (`n = w.rows()`), added into `dx` `[m, k]`
-/// (`k = w.cols()`) when `add`, else written over it. A slice of weight
-/// rows is a slice of the sum over `n`: the slices are added in order.
-pub fn input_grad<T: PanelFloat>(
+/// (`k = w.cols()`). A slice of weight rows is a slice of the sum over `n`:
+/// the slices are added in order.
+pub fn add_input_grad<T: PanelFloat>(
     dy: &[T],
     m: usize,
     w: &BlockMatrix,
     dx: &mut [T],
-    add: bool,
 ) -> Result<(), String> {
     check_input_grad(dy.len(), dx.len(), m, w)?;
-    if w.rows() == 0 || m == 0 {
-        if !add {
-            dx.fill(T::zero());
-        }
-    } else if w.cols() > 0 {
+    if w.rows() > 0 && m > 0 && w.cols() > 0 {
         // SAFETY: sizes checked above; `dx` holds values.
-        unsafe { input_grad_into(dy, m, w, dx.as_mut_ptr(), add) }
+        unsafe { input_grad_into(dy, m, w, dx.as_mut_ptr(), true) }
     }
     Ok(())
 }
@@ -468,13 +461,10 @@ pub fn input_grad_values<T: PanelFloat>(
     if w.rows() == 0 || m == 0 || w.cols() == 0 {
         return Ok(vec![T::zero(); len]);
     }
-    let mut dx = Vec::with_capacity(len);
-    // SAFETY: sizes checked above; `dx` has room for `[m, k]` values, which
-    // the first slice's gemm writes without reading, before `set_len`.
-    unsafe {
-        input_grad_into(dy, m, w, dx.as_mut_ptr(), false);
-        dx.set_len(len);
-    }
+    let mut dx = Vec::new();
+    // SAFETY: sizes checked above; the first slice's gemm writes every value
+    // of `[m, k]` without reading it.
+    unsafe { overwrite_with(&mut dx, len, |dx| input_grad_into(dy, m, w, dx, false)) };
     Ok(dx)
 }
 
@@ -656,20 +646,21 @@ mod tests {
             let dy32 = dy.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let dy64: Vec<f64> = dy32.iter().map(|&v| v as f64).collect();
             let mut dx = vec![1.0f64; m * k];
-            input_grad(&dy64, m, &w, &mut dx, true).unwrap();
+            add_input_grad(&dy64, m, &w, &mut dx).unwrap();
             for (got, want) in dx.iter().zip(&expected) {
                 assert!((got - 1.0 - want).abs() < 1e-9, "{m}x{n}x{k}: {got} {want}");
             }
-            let mut dx = vec![f32::NAN; m * k];
-            input_grad(&dy32, m, &w, &mut dx, false).unwrap();
+            let dx = input_grad_values(&dy32, m, &w).unwrap();
             for (got, want) in dx.iter().zip(&expected) {
                 assert!(
                     (*got as f64 - want).abs() < 1e-4 * (1.0 + want.abs()),
                     "{m}x{n}x{k}"
                 );
             }
-            assert_eq!(input_grad_values(&dy32, m, &w).unwrap(), dx);
-            assert!(input_grad(&dy32[1..], m, &w, &mut dx, false).is_err());
+            let mut zeros = vec![0f32; m * k];
+            add_input_grad(&dy32, m, &w, &mut zeros).unwrap();
+            assert_eq!(zeros, dx, "added to zeros, {m}x{n}x{k}");
+            assert!(add_input_grad(&dy32[1..], m, &w, &mut zeros).is_err());
             assert!(input_grad_values(&dy32[1..], m, &w).is_err());
         }
     }

@@ -152,7 +152,7 @@ pub fn input_grad<T: PanelFloat>(
         (Weight::Blocks(b), into) => with_values(dy, |dy: &[T]| {
             let m = dy.len() / b.rows().max(1);
             let dx = match into {
-                Some((mut dx, _)) => native::input_grad(dy, m, b, &mut dx, true).map(|()| dx),
+                Some((mut dx, _)) => native::add_input_grad(dy, m, b, &mut dx).map(|()| dx),
                 None => native::input_grad_values(dy, m, b),
             };
             let dx = dx.map_err(candle_core::Error::Msg)?;
