@@ -331,8 +331,8 @@ impl<'a, T: WithDType> Plan<'a, T> {
     /// Replaces `dst`'s values with the product's, row-major; returns its shape.
     fn write_into(self, dst: &mut Vec<T>, threads: Threads) -> Shape {
         let len = self.shape.elem_count();
-        dst.clear();
         if self.k == 0 || len == 0 {
+            dst.clear();
             dst.resize(len, T::from_f64(0.0));
             return self.shape;
         }
